@@ -1,0 +1,8 @@
+"""The `treespec` op library: every op registers as ``torch.ops.treespec.<name>`` on import."""
+
+from . import _common  # noqa: F401
+from . import tree_mask  # noqa: F401  (build_ancestor_mask)
+from . import verify  # noqa: F401  (verify_tree_greedy)
+from . import compact  # noqa: F401  (compact_window_rows)
+from . import kv_write  # noqa: F401  (kv_write)
+from . import tree_attention  # noqa: F401  (the cascade: prefix decode, window, merge)

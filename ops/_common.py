@@ -1,0 +1,60 @@
+"""Shared plumbing for the `treespec` op library.
+
+Every op module follows one shape: docstring with shapes, the `torch.library` custom op and its fake,
+boundary validation, the Triton launcher, the kernel, and the pure-torch reference. The reference is the
+CPU path and the test oracle; CUDA tensors go to the Triton launcher. Tests run the launchers on CPU
+tensors under ``TRITON_INTERPRET=1``.
+
+Validation here only reads shapes, dtypes and devices (metadata), never tensor values, so it adds no host
+sync and is safe inside captured regions. Value checks (is `parents` a tree?) live in explicit
+``validate_*`` helpers that callers run once, outside capture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+MAX_NODES = 64  # the ancestor mask is one 64-bit word per node
+
+try:  # Triton is optional on CPU-only machines.
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether an op call should take the Triton path: all tensors on CUDA and Triton importable."""
+    return HAS_TRITON and all(t.is_cuda for t in tensors)
+
+
+def check_dtype(name: str, t: torch.Tensor, *dtypes: torch.dtype) -> None:
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name}: expected dtype {want}, got {t.dtype}")
+
+
+def check_dim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-d tensor {layout}, got shape {tuple(t.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"all tensors must be on one device: {listing}")
+
+
+def check_num_nodes(name: str, n: int) -> None:
+    if n < 1 or n > MAX_NODES:
+        raise ValueError(f"{name}: the tree must have 1..{MAX_NODES} nodes, got {n}")

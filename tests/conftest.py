@@ -1,0 +1,39 @@
+"""Test setup shared by the whole suite.
+
+Without a GPU the Triton kernels run in the CPU interpreter: ``TRITON_INTERPRET`` must be set before
+Triton decorates any kernel, so it is set here, before treecompile is imported. Tests marked ``gpu``
+skip where no CUDA device exists (and only there).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import treecompile  # noqa: E402,F401  registers torch.ops.treespec.*
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+def poisoned(shape, dtype, device="cpu"):
+    """A fresh tensor whose every element fails a comparison if a kernel forgets to write it."""
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, -(2**31) + 7, dtype=dtype, device=device)
+
+
+@pytest.fixture
+def kernel_device():
+    """Where Triton launchers run in this session: CUDA when present, else CPU under the interpreter."""
+    return "cuda" if HAS_CUDA else "cpu"

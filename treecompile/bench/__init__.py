@@ -1,0 +1,1 @@
+"""GPU benchmarks: ``python -m treecompile.bench <name>``."""
