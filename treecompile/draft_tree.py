@@ -1,0 +1,384 @@
+"""DraftTree: records a drafter's scored candidates and selects the verify tree.
+
+The drafter scores, the tree selects: a drafter hands over (log-prob, token) pairs and never decides the
+tree's shape. One round, for a batch of B requests, K lanes, S draft steps and N <= 64 tree nodes:
+
+- ``begin(logp0 [B, K], tokens0 [B, K])`` records step 0: K candidates, children of the root (node 0, the
+  request's current token), depth 1, candidate ids ``0 .. K-1``. It returns the lanes of step 1: the K
+  step-0 candidates, best first.
+- ``expand(lanes, child_logp [B, K, K], child_tokens [B, K, K])`` records step ``s = lanes.step``
+  (1 .. S-1): lane r's child c is candidate ``K + (s-1)*K*K + r*K + c`` at depth ``s + 1``. It returns the
+  lanes of step s+1: the K best of those K*K children.
+- ``select(root_tokens [B])`` keeps the best N-1 of the ``K + (S-1)*K*K`` candidates and numbers them
+  depth first, best child first, into a :class:`TreeBatch` of ``[B, N]`` tensors.
+
+Scores are cumulative log-probs: a child's score is its parent's plus ``min(child_logp, 0)``, so a child
+never beats its parent. Every ranking here orders by score (higher first), ties to the lower candidate
+id, NaN last (padded requests carry NaN scores and must still yield a fully written tree). Because a
+parent's id is always lower than its children's, that order puts every parent before its children, with
+equal scores and NaNs too (a NaN-free child has a NaN-free parent), so the best N-1 are closed under
+parents: the kept set is a tree.
+
+Lane r of step s writes draft slot ``(s-1)*K + r`` of the lane window (``W_lane = (S-1)*K`` slots) at
+position ``vc + s``; its lane mask has its own bit and the bits of the lanes it descends from.
+
+Everything per round is fixed-shape torch on the inputs' device: no ``.item()``, no data-dependent shapes,
+no Python branching on tensor values, so rounds run inside CUDA graphs and ``torch.compile(fullgraph=True)``.
+Config ints are validated once, in ``__init__``; per-round methods check only metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DraftTree", "LaneState", "TreeBatch", "rank_order"]
+
+
+@dataclass
+class LaneState:
+    """The K lanes a draft step runs, per request.
+
+    Attributes
+    ----------
+    tokens : [B, K] int64
+        Input token of each lane (a candidate of the previous step).
+    scores : [B, K] float32 (float64 when the drafter scores in float64)
+        Cumulative log-prob of each lane's token.
+    mask : [B, K] int64
+        Lane ancestor mask over the lane window: bit ``(step-1)*K + r`` (the lane's own draft slot) and the
+        bits of the lanes it descends from at steps ``1 .. step-1``. After the last expand
+        (``step == S``) the lanes are not run and carry no own bit.
+    candidate : [B, K] int64
+        Candidate id of each lane's token.
+    parent_lane : [B, K] int64
+        Row of the previous draft forward that produced each lane's token, i.e. whose hidden state the lane
+        continues: 0 for step 1 (the single step-0 row), the parent lane index for later steps.
+        (Addition to the brief's API: a drafter needs it to gather the lanes' hidden states.)
+    step : int
+        The draft step these lanes run at (1 .. S-1; S after the last expand). Lane positions are
+        ``vc + step``.
+    """
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    mask: torch.Tensor
+    candidate: torch.Tensor
+    parent_lane: torch.Tensor
+    step: int
+
+
+@dataclass
+class TreeBatch:
+    """A selected verify tree per request, nodes numbered depth first, best child first.
+
+    Attributes
+    ----------
+    tokens : [B, N] int64
+        Node 0 is the root token (the request's current token).
+    parents : [B, N] int64
+        Parent node index; ``parents[:, 0] == -1`` and ``parents[:, i] < i``.
+    depth : [B, N] int64
+        Depth of each node (root 0); RoPE position of node i is ``vc + depth[:, i]``.
+    ancestor_mask : [B, N] int64
+        Bit j of node i's word is set when node j is an ancestor of node i or i itself.
+    candidate : [B, N] int64
+        Candidate id each node came from; -1 for the root.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depth: torch.Tensor
+    ancestor_mask: torch.Tensor
+    candidate: torch.Tensor
+
+
+def rank_order(scores: torch.Tensor) -> torch.Tensor:
+    """Permutation ranking the last dim of ``scores``: higher first, ties to the lower index, NaN last.
+
+    Parameters
+    ----------
+    scores : [..., C] floating, whose last-dim index is the candidate id order.
+
+    Returns
+    -------
+    [..., C] int64: ``order[..., 0]`` is the best candidate's index.
+    """
+    nan = torch.isnan(scores)
+    # `0 - s` maps -0.0 and +0.0 to one key (a radix sort would split them); NaN's own sort position
+    # differs across devices and NaN sign bits, so NaN gets a finite-free key and a second stable pass.
+    key = torch.where(nan, torch.full_like(scores, float("inf")), 0.0 - scores)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    nan_last = torch.sort(nan.gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices
+    return order.gather(-1, nan_last)
+
+
+def _bit(index: torch.Tensor) -> torch.Tensor:
+    """``1 << index`` as int64 (index int64 in 0..63; bit 63 is the sign bit)."""
+    return torch.bitwise_left_shift(torch.ones_like(index), index)
+
+
+class DraftTree:
+    """Records K + (S-1)*K*K scored candidates per request and selects the N-node verify tree.
+
+    Parameters
+    ----------
+    topk : int
+        K, candidates per step and lanes per draft step (>= 1). K == 1 gives the chain.
+    steps : int
+        S, draft steps including step 0 (>= 1); steps 1 .. S-1 run K lanes each.
+    num_nodes : int
+        N, verify tree nodes including the root (1 .. 64), with ``(S-1)*K <= N`` (the lane window fits the
+        next verify window) and ``N-1 <= K + (S-1)*K*K`` (the candidates can fill the tree).
+
+    Attributes
+    ----------
+    num_candidates : int
+        ``K + (S-1)*K*K``.
+    lane_window : int
+        ``(S-1)*K``, lane-window slots (bits of the lane masks).
+    """
+
+    def __init__(self, topk: int, steps: int, num_nodes: int):
+        for name, value in (("topk", topk), ("steps", steps), ("num_nodes", num_nodes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}: expected a Python int, got {type(value).__name__}")
+        if topk < 1:
+            raise ValueError(f"topk: must be >= 1, got {topk}")
+        if steps < 1:
+            raise ValueError(f"steps: must be >= 1, got {steps}")
+        if num_nodes < 1 or num_nodes > MAX_NODES:
+            raise ValueError(f"num_nodes: the tree must have 1..{MAX_NODES} nodes, got {num_nodes}")
+        lane_window = (steps - 1) * topk
+        if lane_window > num_nodes:
+            raise ValueError(
+                f"steps, topk: the lane window (steps-1)*topk = {lane_window} must be <= num_nodes = "
+                f"{num_nodes}"
+            )
+        num_candidates = topk + (steps - 1) * topk * topk
+        if num_nodes - 1 > num_candidates:
+            raise ValueError(
+                f"num_nodes: num_nodes-1 = {num_nodes - 1} exceeds the {num_candidates} candidates "
+                f"topk + (steps-1)*topk^2 can supply; the tree could not be filled"
+            )
+        self.topk = topk
+        self.steps = steps
+        self.num_nodes = num_nodes
+        self.num_candidates = num_candidates
+        self.lane_window = lane_window
+        # Per-step records, in candidate-id order; rebuilt by every begin().
+        self._scores: list[torch.Tensor] = []
+        self._tokens: list[torch.Tensor] = []
+        self._parents: list[torch.Tensor] = []  # parent candidate id, -1 for the root
+        self._next_step = 0  # 0: begin() not called yet
+
+    def __repr__(self) -> str:
+        return f"DraftTree(topk={self.topk}, steps={self.steps}, num_nodes={self.num_nodes})"
+
+    # -- recording -------------------------------------------------------------------------------------
+
+    def begin(self, logp0: torch.Tensor, tokens0: torch.Tensor) -> LaneState:
+        """Record step 0 and return the lanes of step 1.
+
+        Parameters
+        ----------
+        logp0 : [B, K] floating, log-probs of the step-0 candidates (children of the root).
+        tokens0 : [B, K] int64.
+
+        Returns
+        -------
+        LaneState with ``step == 1``: the K step-0 candidates ordered best first.
+        """
+        K = self.topk
+        check_dim("logp0", logp0, 2, "[B, K]")
+        check_dim("tokens0", tokens0, 2, "[B, K]")
+        if not logp0.dtype.is_floating_point:
+            raise ValueError(f"logp0: expected a floating dtype, got {logp0.dtype}")
+        check_dtype("tokens0", tokens0, torch.int64)
+        check_same_device(logp0=logp0, tokens0=tokens0)
+        if logp0.shape[1] != K:
+            raise ValueError(f"logp0: expected [B, topk={K}], got {tuple(logp0.shape)}")
+        if tokens0.shape != logp0.shape:
+            raise ValueError(
+                f"tokens0: expected shape {tuple(logp0.shape)} like logp0, got {tuple(tokens0.shape)}"
+            )
+
+        score_dtype = torch.promote_types(logp0.dtype, torch.float32)
+        scores = logp0.to(score_dtype).clamp(max=0)  # the root's score is 0
+        B = scores.shape[0]
+        self._scores = [scores]
+        self._tokens = [tokens0.to(torch.int64)]
+        self._parents = [torch.full((B, K), -1, dtype=torch.int64, device=scores.device)]
+        self._next_step = 1
+
+        order = rank_order(scores)
+        slots = torch.arange(K, dtype=torch.int64, device=scores.device)
+        return LaneState(
+            tokens=tokens0.gather(1, order),
+            scores=scores.gather(1, order),
+            mask=_bit(slots).expand(B, K).clone() if self.steps > 1 else torch.zeros_like(order),
+            candidate=order,
+            parent_lane=torch.zeros_like(order),
+            step=1,
+        )
+
+    def expand(self, lanes: LaneState, child_logp: torch.Tensor, child_tokens: torch.Tensor) -> LaneState:
+        """Record the K*K candidates of step ``lanes.step`` and return the lanes of the next step.
+
+        Parameters
+        ----------
+        lanes : LaneState of step s (1 .. S-1), as returned by begin() or the previous expand().
+        child_logp : [B, K, K] floating, ``child_logp[b, r, c]`` is the log-prob of lane r's child c.
+        child_tokens : [B, K, K] int64.
+
+        Returns
+        -------
+        LaneState of step s+1: the K best children, best first.
+        """
+        K = self.topk
+        s = lanes.step
+        if self._next_step == 0:
+            raise ValueError("expand: call begin() first")
+        if s != self._next_step or s >= self.steps:
+            raise ValueError(
+                f"lanes.step: expected step {self._next_step} (steps 1..{self.steps - 1} expand), got {s}"
+            )
+        B = self._scores[0].shape[0]
+        check_dim("child_logp", child_logp, 3, "[B, K, K]")
+        check_dim("child_tokens", child_tokens, 3, "[B, K, K]")
+        if not child_logp.dtype.is_floating_point:
+            raise ValueError(f"child_logp: expected a floating dtype, got {child_logp.dtype}")
+        check_dtype("child_tokens", child_tokens, torch.int64)
+        check_same_device(child_logp=child_logp, child_tokens=child_tokens, lane_scores=lanes.scores)
+        if tuple(child_logp.shape) != (B, K, K):
+            raise ValueError(
+                f"child_logp: expected [B={B}, topk={K}, topk={K}], got {tuple(child_logp.shape)}"
+            )
+        if child_tokens.shape != child_logp.shape:
+            raise ValueError(
+                f"child_tokens: expected shape {tuple(child_logp.shape)} like child_logp, got "
+                f"{tuple(child_tokens.shape)}"
+            )
+
+        scores = lanes.scores.unsqueeze(2) + child_logp.to(lanes.scores.dtype).clamp(max=0)  # [B, K, K]
+        scores = scores.reshape(B, K * K)
+        tokens = child_tokens.reshape(B, K * K)
+        self._scores.append(scores)
+        self._tokens.append(tokens)
+        self._parents.append(lanes.candidate.unsqueeze(2).expand(B, K, K).reshape(B, K * K))
+        self._next_step = s + 1
+
+        order = rank_order(scores)[:, :K]  # [B, K] flat child index, best first
+        parent_lane = torch.div(order, K, rounding_mode="floor")
+        mask = lanes.mask.gather(1, parent_lane)
+        if s + 1 < self.steps:  # lanes that will run own slot s*K + r of the lane window
+            slots = s * K + torch.arange(K, dtype=torch.int64, device=scores.device)
+            mask = mask | _bit(slots)
+        first_id = K + (s - 1) * K * K
+        return LaneState(
+            tokens=tokens.gather(1, order),
+            scores=scores.gather(1, order),
+            mask=mask,
+            candidate=order + first_id,
+            parent_lane=parent_lane,
+            step=s + 1,
+        )
+
+    def candidates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The candidates recorded so far this round, in candidate-id order (addition to the brief's API).
+
+        Returns
+        -------
+        scores : [B, C'] cumulative log-probs (clamped, as ranked)
+        tokens : [B, C'] int64
+        parents : [B, C'] int64 parent candidate ids, -1 for children of the root
+            ``C' = K + (steps recorded - 1) * K * K``; ``C' = num_candidates`` once every step is recorded.
+        """
+        if self._next_step == 0:
+            raise ValueError("candidates: call begin() first")
+        return torch.cat(self._scores, 1), torch.cat(self._tokens, 1), torch.cat(self._parents, 1)
+
+    # -- selection -------------------------------------------------------------------------------------
+
+    def select(self, root_tokens: torch.Tensor) -> TreeBatch:
+        """Keep the best N-1 candidates and number the tree depth first, best child first.
+
+        Parameters
+        ----------
+        root_tokens : [B] int64 (any strides), the token of node 0.
+
+        Returns
+        -------
+        TreeBatch of fresh ``[B, N]`` int64 tensors.
+        """
+        if self._next_step != self.steps:
+            raise ValueError(
+                f"select: needs begin() and {self.steps - 1} expand() calls this round "
+                f"(recorded {max(self._next_step - 1, 0)} expands{'' if self._next_step else ', no begin'})"
+            )
+        B = self._scores[0].shape[0]
+        check_dim("root_tokens", root_tokens, 1, "[B]")
+        check_dtype("root_tokens", root_tokens, torch.int64)
+        check_same_device(root_tokens=root_tokens, scores=self._scores[0])
+        if root_tokens.shape[0] != B:
+            raise ValueError(f"root_tokens: expected [B={B}], got {tuple(root_tokens.shape)}")
+
+        N, S, K = self.num_nodes, self.steps, self.topk
+        M = N - 1  # kept candidates
+        device = root_tokens.device
+        cand_scores, cand_tokens, cand_parent = self.candidates()  # [B, C] each, candidate-id order
+        # Candidate depth is a function of the id only: step s holds depth s+1.
+        cand_depth = torch.cat(
+            [torch.ones(K, dtype=torch.int64, device=device)]
+            + [torch.full((K * K,), s + 1, dtype=torch.int64, device=device) for s in range(1, S)]
+        )
+
+        kept = rank_order(cand_scores)[:, :M]  # [B, M] candidate ids; position p = global rank p
+        pos = torch.arange(M, dtype=torch.int64, device=device).expand(B, M)
+        pos_of_cand = torch.full_like(cand_tokens, M).scatter_(1, kept, pos)  # M: not kept
+        kept_parent = cand_parent.gather(1, kept)
+        # Closure under parents (module docstring) makes every non-root parent a kept position.
+        parent_pos = torch.where(kept_parent < 0, -1, pos_of_cand.gather(1, kept_parent.clamp(min=0)))
+        kept_depth = cand_depth.expand(B, -1).gather(1, kept)
+
+        # path[b, p, l-1]: rank of p's ancestor at depth l (p itself at its own depth), -1 past p's depth.
+        # Depth-first, best-child-first order is the lexicographic order of these rank paths: two nodes
+        # first differ at siblings, which the global rank orders like their scores.
+        levels = torch.arange(1, S + 1, dtype=torch.int64, device=device)
+        path = torch.full((B, M, S), -1, dtype=torch.int64, device=device)
+        cur, cur_depth = pos, kept_depth
+        for _ in range(S):
+            path = torch.where(levels == cur_depth.unsqueeze(2), cur.unsqueeze(2), path)
+            cur = torch.where(cur >= 0, parent_pos.gather(1, cur.clamp(min=0)), -1)
+            cur_depth = cur_depth - 1
+
+        perm = pos  # S stable sorts, deepest level first: LSD-radix order gives the lexicographic one
+        for level in range(S - 1, -1, -1):
+            key = path[:, :, level].gather(1, perm)
+            perm = perm.gather(1, torch.sort(key, dim=1, stable=True).indices)
+
+        node_of_pos = torch.empty_like(pos).scatter_(1, perm, pos + 1)  # kept position -> node index
+        node_path = node_of_pos.gather(1, path.clamp(min=0).reshape(B, M * S)).view(B, M, S)
+        node_bits = torch.where(path >= 0, _bit(node_path), 0)
+        kept_mask = node_bits[:, :, 0]
+        for level in range(1, S):
+            kept_mask = kept_mask | node_bits[:, :, level]
+        kept_mask = kept_mask | 1  # the root is everyone's ancestor
+
+        parent_of_node = parent_pos.gather(1, perm)  # kept position of each node's parent, -1: the root
+        parent_node = node_of_pos.gather(1, parent_of_node.clamp(min=0))
+        parent_of_node = torch.where(parent_of_node >= 0, parent_node, 0)
+        col0 = torch.zeros(B, 1, dtype=torch.int64, device=device)
+        return TreeBatch(
+            tokens=torch.cat([root_tokens.reshape(B, 1), cand_tokens.gather(1, kept.gather(1, perm))], 1),
+            parents=torch.cat([col0 - 1, parent_of_node], 1),
+            depth=torch.cat([col0, kept_depth.gather(1, perm)], 1),
+            ancestor_mask=torch.cat([col0 + 1, kept_mask.gather(1, perm)], 1),
+            candidate=torch.cat([col0 - 1, kept.gather(1, perm)], 1),
+        )
