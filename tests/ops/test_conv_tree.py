@@ -1,0 +1,193 @@
+"""Causal conv1d over a draft tree: each node's window against its root-to-node path run as a chain.
+
+The oracle concatenates the committed window and the path's inputs and runs a float64 ``F.conv1d``
+(HF's ``causal_conv1d_update`` math); chains are also checked against HF's function itself, including
+the conv state it leaves, which the tree commit must reproduce.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import treecompile.ops.conv_tree as conv
+from conftest import poisoned
+
+hf_qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+
+
+def make_parents(kind: str, n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "chain":
+        return [i - 1 for i in range(n)]
+    if kind == "star":
+        return [-1] + [0] * (n - 1)
+    if kind == "random":
+        return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    raise AssertionError(kind)
+
+
+def path_to(row: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = row[node]
+    return path[::-1]
+
+
+def make_case(kinds, n, channels, width, state_width, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(kinds)
+    parents = torch.tensor([make_parents(kind, n, seed + b) for b, kind in enumerate(kinds)])
+    x = torch.randn(batch, n, channels, generator=gen, dtype=torch.float64).to(dtype)
+    conv_state = torch.randn(batch, channels, state_width, generator=gen, dtype=torch.float64).to(dtype)
+    weight = torch.randn(channels, width, generator=gen, dtype=torch.float64).to(dtype)
+    bias = torch.randn(channels, generator=gen, dtype=torch.float64).to(dtype)
+    return x, conv_state, weight, bias, parents
+
+
+def path_oracle(x, conv_state, weight, bias, parents, activation):
+    """Node t's output = last output of a float64 conv over [committed window | x[path to t]]."""
+    batch, n, channels = x.shape
+    out = torch.empty(batch, n, channels, dtype=torch.float64)
+    for b, row in enumerate(parents.tolist()):
+        for t in range(n):
+            seq = torch.cat([conv_state[b].double(), x[b, path_to(row, t)].double().T], dim=-1)
+            taps, shift = weight.double()[:, None], None if bias is None else bias.double()
+            y = F.conv1d(seq[None], taps, shift, groups=channels)
+            y = y[0, :, -1]
+            out[b, t] = F.silu(y) if activation else y
+    return out
+
+
+def run_update(impl, x, conv_state, weight, bias, parents, activation):
+    if impl == "kernel":
+        out = poisoned(x.shape, x.dtype)
+        conv._launch_causal_conv1d_tree_update(x, conv_state, weight, bias, parents, activation, out)
+        return out
+    return torch.ops.treespec.causal_conv1d_tree_update(x, conv_state, weight, bias, parents, activation)
+
+
+CASES = [
+    pytest.param(["chain", "chain"], 1, 4, 4, True, "silu", id="B2-N1-Kw4-L4-bias-silu"),
+    pytest.param(["chain", "star"], 2, 2, 1, False, None, id="B2-N2-Kw2-L1-nobias-linear"),
+    pytest.param(["random", "star"], 33, 3, 3, True, "silu", id="B2-N33-Kw3-L3-random-star"),
+    pytest.param(["random"], 64, 4, 3, False, "silu", id="B1-N64-Kw4-L3-random"),
+    pytest.param(["chain"], 63, 4, 4, True, "swish", id="B1-N63-Kw4-L4-chain"),
+]
+
+
+@pytest.mark.parametrize("impl", ["kernel", "op"])
+@pytest.mark.parametrize("kinds,n,width,state_width,with_bias,activation", CASES)
+def test_update_matches_per_path_conv(kinds, n, width, state_width, with_bias, activation, impl):
+    x, conv_state, weight, bias, parents = make_case(kinds, n, 10, width, state_width)
+    bias = bias if with_bias else None
+    before = conv_state.clone()
+    out = run_update(impl, x, conv_state, weight, bias, parents, activation)
+    want = path_oracle(x, conv_state, weight, bias, parents, activation)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+    assert torch.equal(conv_state, before), "verify must not write the committed window"
+
+
+@pytest.mark.parametrize("impl", ["kernel", "op"])
+def test_update_strided_input_and_channel_blocks(impl):
+    """HF hands the conv a [B, C, N] tensor transposed to [B, N, C]; C = 300 spans two channel blocks."""
+    _, conv_state, weight, bias, parents = make_case(["random"], 5, channels=300, width=4, state_width=4)
+    x = torch.randn(1, 300, 5, dtype=torch.float64).transpose(1, 2)
+    assert not x.is_contiguous()
+    out = run_update(impl, x, conv_state, weight, bias, parents, "silu")
+    want = path_oracle(x, conv_state, weight, bias, parents, "silu")
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_update_low_precision_rounds_once(dtype):
+    x, conv_state, weight, bias, parents = make_case(["random", "chain"], 9, 16, 4, 3, dtype=dtype, seed=3)
+    out = run_update("kernel", x, conv_state, weight.float(), bias.float(), parents, "silu")
+    want = path_oracle(x, conv_state, weight.float(), bias.float(), parents, "silu")
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    by_op = run_update("op", x, conv_state, weight.float(), bias.float(), parents, "silu")
+    torch.testing.assert_close(by_op.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("state_width", [3, 4], ids=["L3", "L4-hf-cache"])
+def test_chain_matches_hf_causal_conv1d_update_and_commit(state_width):
+    """A chain through the tree op and commit equals HF's decode-time conv, output and window alike."""
+    n, channels = 6, 12
+    x, conv_state, weight, bias, parents = make_case(["chain", "chain"], n, channels, 4, state_width, seed=9)
+    hf_state = conv_state.clone()
+    want = hf_qwen3_next.causal_conv1d_update(x.transpose(1, 2), hf_state, weight, bias, "silu")
+    want = want.transpose(1, 2)
+    for impl in ("kernel", "op"):
+        torch.testing.assert_close(run_update(impl, x, conv_state, weight, bias, parents, "silu"), want)
+    path = torch.arange(n).expand(2, n).contiguous()
+    lens = torch.full((2,), n)
+    committed = conv_state.clone()
+    conv._launch_causal_conv1d_tree_commit(committed, x, path, lens)
+    assert torch.equal(committed, hf_state)
+    committed = conv_state.clone()
+    torch.ops.treespec.causal_conv1d_tree_commit(committed, x, path, lens)
+    assert torch.equal(committed, hf_state)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "op"])
+@pytest.mark.parametrize("state_width", [1, 3, 4], ids=["L1", "L3", "L4"])
+def test_commit_shifts_accepted_inputs_in(state_width, impl):
+    n, channels = 7, 20
+    kinds = ["random", "random", "chain", "chain"]
+    x, conv_state, _, _, parents = make_case(kinds, n, channels, 4, state_width)
+    lens = torch.tensor([0, 1, 2, 5])  # shorter and longer than the window
+    paths = torch.full((4, n), -1, dtype=torch.int64)
+    for b, row in enumerate(parents.tolist()):
+        deepest = max(range(n), key=lambda t: len(path_to(row, t)))
+        path = path_to(row, deepest)[: int(lens[b])]
+        assert len(path) == int(lens[b])
+        paths[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
+    committed = conv_state.clone()
+    if impl == "kernel":
+        conv._launch_causal_conv1d_tree_commit(committed, x, paths, lens)
+    else:
+        torch.ops.treespec.causal_conv1d_tree_commit(committed, x, paths, lens)
+    for b in range(4):
+        accepted = paths[b, : int(lens[b])]
+        want = torch.cat([conv_state[b], x[b, accepted].T], dim=-1)[:, -state_width:]
+        assert torch.equal(committed[b], want), f"request {b}"
+
+
+def test_opcheck():
+    x, conv_state, weight, bias, parents = make_case(["random"], 5, 6, 4, 3, dtype=torch.float32)
+    update = torch.ops.treespec.causal_conv1d_tree_update.default
+    torch.library.opcheck(update, (x, conv_state, weight, bias, parents, "silu"))
+    torch.library.opcheck(update, (x, conv_state, weight, None, parents, None))
+    torch.library.opcheck(
+        torch.ops.treespec.causal_conv1d_tree_commit.default,
+        (conv_state.clone(), x, torch.tensor([[0, 1, -1, -1, -1]]), torch.tensor([2])),
+    )
+
+
+def test_bad_input_is_refused_before_launch():
+    x, conv_state, weight, bias, parents = make_case(["random"], 5, 6, 4, 3, dtype=torch.float32)
+    update = torch.ops.treespec.causal_conv1d_tree_update
+    for width in (1, 5):
+        message = rf"conv kernel size Kw = weight.shape\[1\] must be one of \(2, 3, 4\), got {width}"
+        with pytest.raises(ValueError, match=message):
+            update(x, torch.zeros(1, 6, 4), torch.zeros(6, width), None, parents, "silu")
+    x65 = torch.zeros(1, 65, 6)
+    with pytest.raises(ValueError, match=r"1\.\.64 nodes, got 65"):
+        update(x65, conv_state, weight, None, torch.full((1, 65), -1), "silu")
+    with pytest.raises(ValueError, match=r"conv_state: expected \[B=1, C=6, L >= Kw - 1 = 3\]"):
+        update(x, conv_state[..., :2], weight, None, parents, "silu")
+    with pytest.raises(ValueError, match="activation"):
+        update(x, conv_state, weight, None, parents, "gelu")
+    with pytest.raises(ValueError, match="parents: expected dtype torch.int64"):
+        update(x, conv_state, weight, None, parents.int(), "silu")
+    with pytest.raises(ValueError, match="bias: expected"):
+        update(x, conv_state, weight, bias[:3], parents, "silu")
+    commit = torch.ops.treespec.causal_conv1d_tree_commit
+    with pytest.raises(ValueError, match="accept_len: expected"):
+        commit(conv_state, x, torch.zeros(1, 5, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"1\.\.64 nodes, got 65"):
+        commit(conv_state, x65, torch.zeros(1, 65, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
