@@ -1,0 +1,262 @@
+"""Triton kernels of the tree-attention cascade (launched from ``tree_attention._launch_tree_attention_paged``).
+
+Stage 1, ``cascade_partial_kernel``, grid ``(B * Hkv * NRB, NS + 1)``:
+  program ``(b, kv head, row block)`` x ``split s`` holds BLOCK_M of the ``R * G`` (row, group head) query
+  rows of one KV head, so every K/V tile it loads serves all rows and all group heads at once.
+  * ``s < NS``: split-K decode over its chunk of the prefix ``[0, P)`` (flash-decoding); chunks are whole
+    BLOCK_N tiles, at least MIN_CHUNK keys, so a short prefix uses few splits and the rest exit early
+    after writing an empty state (``lse = -inf``, no output row).
+  * ``s == NS``: the window, ``W <= 64`` keys after the prefix, one tile, visible per row through its
+    64-bit ancestor mask (bit tests in int64).
+  Each writes a partial output (normalised) and its base-2 log-sum-exp into the workspace.
+Stage 2, ``cascade_merge_kernel``, grid ``(B * R * Hq,)``: combines the NS + 1 partial states of one row by
+  log-sum-exp, guarding empty states (all ``-inf``: the row sees nothing -> zeros).
+
+Ideas from SGLang's triton_ops/decode_attention.py (split-K stage 1 / stage 2 with a fixed split count),
+flashinfer's cascade merge_state (base-2 LSE, empty-state guards) and SGLang's target_verify (prefix pass,
+masked expand pass, merge). The split count depends on static sizes only, never on prefix_len's value.
+
+Non-finite data in slots a row does not see never reaches it: K/V loads are masked to the keys in range
+(other=0), scores of invisible keys are replaced by -inf, and window V rows that no row of the tile sees
+are cleared (a zero probability times NaN would still be NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@dataclass(frozen=True)
+class CascadeConfig:
+    """Tile sizes of stage 1; chosen from static sizes by :func:`choose_config`."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+    min_chunk: int
+    merge_warps: int = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_config(B, R, Hq, Hkv, D, capacity, device, num_splits=None, **override) -> CascadeConfig:
+    """Static tile/split choice (shapes only). ``override`` replaces any field (used by the tuning sweep)."""
+    G = Hq // Hkv
+    rows = R * G
+    big = rows >= 128 and D <= 128  # compute-heavy: wide tiles, two warpgroups
+    block_m = override.pop("block_m", 128 if big else min(64, max(16, triton.next_power_of_2(rows))))
+    block_n = override.pop("block_n", 128 if big else (64 if D <= 128 else 32))
+    nrb = triton.cdiv(rows, block_m)
+    if device.type == "cuda":
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = 4  # interpreter: few programs keep CPU tests fast
+    if num_splits is None:
+        num_splits = triton.cdiv(2 * sms, B * Hkv * nrb)
+    num_splits = max(1, min(num_splits, triton.cdiv(capacity, block_n), 128))
+    cfg = dict(
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=3 if D <= 128 else 2,
+        num_splits=num_splits,
+        # A split writes BLOCK_M x D fp32 partials: give it >= 4 * BLOCK_M keys so that stays <= 1/4 of its
+        # K/V reads (short prefixes then use few splits instead of many near-empty ones).
+        min_chunk=max(256, 4 * block_m),
+    )
+    cfg.update(override)
+    return CascadeConfig(**cfg)
+
+
+def launch_cascade(
+    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None,
+    config: CascadeConfig | None = None,
+):  # fmt: skip
+    """Stage 1 + stage 2 on q ``[B, R, Hq, D]``; returns ``[B, R, Hq, D]`` in q's dtype."""
+    B, R, Hq, D = q.shape
+    num_slots, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    max_pages = page_table.shape[1]
+    capacity = max_pages * page_size
+    cfg = config or choose_config(B, R, Hq, Hkv, D, capacity, q.device, num_splits)
+    nrb = triton.cdiv(R * G, cfg.block_m)
+    NS = cfg.num_splits
+    q = q.contiguous()
+    # Workspaces: [B, R, Hq, NS + 1, D] normalised partial outputs and [B, R, Hq, NS + 1] base-2 LSEs.
+    o_part = torch.empty((B, R, Hq, NS + 1, D), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((B, R, Hq, NS + 1), device=q.device, dtype=torch.float32)
+    out = torch.empty((B, R, Hq, D), device=q.device, dtype=q.dtype)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    cascade_partial_kernel[(B * Hkv * nrb, NS + 1)](
+        q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
+        max_pages, num_slots // page_size, R, float(scale) * LOG2E, NS,
+        HKV=Hkv, G=G, PAGE=page_size, WINDOW=window, NRB=nrb, D=D,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
+        MIN_CHUNK=cfg.min_chunk, PREC=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    cascade_merge_kernel[(B * R * Hq,)](
+        o_part, lse_part, out,
+        NS, D=D, BLOCK_S=triton.next_power_of_2(NS + 1),
+        num_warps=cfg.merge_warps,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def cascade_partial_kernel(
+    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
+    s_qb, s_qr, s_qh,
+    s_kc, s_kh, s_vc, s_vh,
+    s_pt, s_ab, s_ar,
+    max_pages, num_pages, R, qk_scale, NS,
+    HKV: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
+    NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rb = pid % NRB
+    b = (pid // NRB) // HKV
+    kvh = (pid // NRB) % HKV
+
+    m = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = m < R * G
+    r = m // G
+    hq = kvh * G + m % G
+    d = tl.arange(0, D)
+    q_ptrs = q + b.to(tl.int64) * s_qb + r[:, None] * s_qr + hq[:, None] * s_qh + d[None, :]
+    qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    P = tl.load(prefix_len + b)
+    capacity = max_pages * PAGE
+    pt_row = page_table + b.to(tl.int64) * s_pt
+    k_head = k_cache + kvh.to(tl.int64) * s_kh
+    v_head = v_cache + kvh.to(tl.int64) * s_vh
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+
+    if split < NS:
+        # Prefix split: whole BLOCK_N tiles, >= MIN_CHUNK keys per split, the last split takes the rest.
+        p_end = tl.minimum(P, capacity)  # a bad prefix_len must not read past the page table
+        n_blocks = tl.cdiv(p_end, BLOCK_N)
+        per_split = tl.maximum(tl.cdiv(n_blocks, NS), MIN_CHUNK // BLOCK_N)
+        start = split * per_split * BLOCK_N
+        end = tl.minimum(start + per_split * BLOCK_N, p_end)
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        # Full tiles need no key mask (the hot loop); at most one partial tile follows.
+        for start_n in range(start, full_end, BLOCK_N):
+            m_i, l_i, acc = _prefix_tile(
+                qt, m_i, l_i, acc, k_head, v_head, pt_row, start_n, end, num_pages, s_kc, s_vc, qk_scale,
+                PAGE, D, BLOCK_N, PREC, False,
+            )  # fmt: skip
+        if full_end < end:
+            m_i, l_i, acc = _prefix_tile(
+                qt, m_i, l_i, acc, k_head, v_head, pt_row, full_end, end, num_pages, s_kc, s_vc, qk_scale,
+                PAGE, D, BLOCK_N, PREC, True,
+            )  # fmt: skip
+    else:
+        # Window: key P + j for j < WINDOW, visible to row r iff bit j of its ancestor mask is set.
+        j = tl.arange(0, BLOCK_W)
+        t = P + j
+        wmask = (j < WINDOW) & (t < capacity) & (t >= 0)
+        page = tl.load(pt_row + t // PAGE, mask=wmask, other=0).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        slot = page * PAGE + t % PAGE
+        kt = tl.load(k_head + slot[:, None] * s_kc + d[None, :], mask=wmask[:, None], other=0.0)
+        vt = tl.load(v_head + slot[:, None] * s_vc + d[None, :], mask=wmask[:, None], other=0.0)
+        amask = tl.load(ancestor_mask + b.to(tl.int64) * s_ab + r * s_ar, mask=row_ok, other=0)
+        bits = (amask[:, None] >> j[None, :].to(tl.int64)) & 1
+        vis = (bits != 0) & wmask[None, :] & row_ok[:, None]
+        seen = tl.max(vis.to(tl.int32), 0) > 0
+        vt = tl.where(seen[:, None], vt, 0.0)
+        s = tl.dot(qt, tl.trans(kt.to(qt.dtype)), input_precision=PREC) * qk_scale
+        s = tl.where(vis, s, float("-inf"))
+        m_i = tl.max(s, 1)
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = tl.sum(p, 1)
+        acc = tl.dot(p.to(qt.dtype), vt.to(qt.dtype), input_precision=PREC)
+
+    empty = l_i == 0.0
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    row = (b.to(tl.int64) * R + r) * (HKV * G) + hq  # flat (b, r, hq)
+    tl.store(lse_part + row * (NS + 1) + split, lse, mask=row_ok)
+    # Empty states write no output row: the merge reads a partial only where its LSE is finite.
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o_ptrs = o_part + (row[:, None] * (NS + 1) + split) * D + d[None, :]
+    tl.store(o_ptrs, o, mask=(row_ok & ~empty)[:, None])
+
+
+@triton.jit
+def cascade_merge_kernel(o_part, lse_part, out, NS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    smask = s < NS + 1
+    lse = tl.load(lse_part + row * (NS + 1) + s, mask=smask, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx)  # empty states weigh 0
+    live = smask & (lse > float("-inf"))
+    o = tl.load(o_part + (row * (NS + 1) + s[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
+    denom = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out + row * D + d, res.to(out.dtype.element_ty))
+
+
+@triton.jit
+def _prefix_tile(
+    qt, m_i, l_i, acc, k_head, v_head, pt_row, start_n, end, num_pages, s_kc, s_vc, qk_scale,
+    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One BLOCK_N tile of prefix keys [start_n, start_n + BLOCK_N) (clipped to ``end`` when MASKED):
+    online softmax in base 2 with the scale folded into one FMA; the accumulator rides in the dot."""
+    d = tl.arange(0, D)
+    t = start_n + tl.arange(0, BLOCK_N)
+    if PAGE % BLOCK_N == 0:  # the tile lies in one page: one page-table read
+        page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        slot = page * PAGE + start_n % PAGE + tl.arange(0, BLOCK_N)
+    else:
+        page = tl.load(pt_row + t // PAGE, mask=t < end, other=0).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        slot = page * PAGE + t % PAGE
+    if MASKED:
+        kmask = t < end
+        kt = tl.load(k_head + slot[:, None] * s_kc + d[None, :], mask=kmask[:, None], other=0.0)
+        vt = tl.load(v_head + slot[:, None] * s_vc + d[None, :], mask=kmask[:, None], other=0.0)
+    else:
+        kt = tl.load(k_head + slot[:, None] * s_kc + d[None, :])
+        vt = tl.load(v_head + slot[:, None] * s_vc + d[None, :])
+    qk = tl.dot(qt, tl.trans(kt.to(qt.dtype)), input_precision=PREC)
+    if MASKED:
+        qk = tl.where(kmask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(qt.dtype), vt.to(qt.dtype), acc, input_precision=PREC)
+    return m_new, l_i, acc

@@ -1,0 +1,435 @@
+"""Tree attention: the Triton cascade (interpreter on CPU) and the ops against float64 oracles.
+
+The oracle chain: a per-row loop over explicit key lists (``naive_tree_attention``) checks the vectorised
+reference, and the reference (float64) checks the kernels. Caches are poisoned (NaN keys, inf values) in
+every slot no row may see: the dummy page, unwritten pages and keys past the window.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treecompile.ops.tree_attention import (
+    _launch_tree_attention_paged,
+    tree_attention,
+    tree_attention_paged_reference,
+    tree_attention_reference,
+)
+
+
+def random_tree_mask(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Ancestor masks (self bit included) of a random tree with nodes in topological order: ``int64 [n]``."""
+    masks = []
+    for i in range(n):
+        parent = int(torch.randint(-1, i, (1,), generator=gen)) if i else -1
+        own = 1 << i
+        masks.append(own | (masks[parent] if parent >= 0 else 0))
+    return torch.tensor([m - (1 << 64) if m >= 1 << 63 else m for m in masks], dtype=torch.int64)
+
+
+def chain_mask(n: int) -> torch.Tensor:
+    return torch.tensor([((1 << (i + 1)) - 1) - ((1 << 64) if i == 63 else 0) for i in range(n)], dtype=torch.int64)
+
+
+def make_paged(B, R, Hq, Hkv, D, page_size, max_pages, prefix, window, dtype, gen, device="cpu"):
+    """A shuffled page table over a cache whose unseen slots hold NaN keys and inf values."""
+    num_pages = 1 + B * max_pages + 2  # dummy page, pages in use, two never-mapped pages
+    num_slots = num_pages * page_size
+    k_cache = torch.full((num_slots, Hkv, D), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_slots, Hkv, D), float("inf"), dtype=dtype)
+    page_table = (1 + torch.randperm(B * max_pages, generator=gen)).view(B, max_pages).to(torch.int32)
+    q = torch.randn(B, R, Hq, D, generator=gen).to(dtype)
+    for b in range(B):
+        for t in range(prefix[b] + window):
+            slot = int(page_table[b, t // page_size]) * page_size + t % page_size
+            k_cache[slot] = torch.randn(Hkv, D, generator=gen).to(dtype)
+            v_cache[slot] = torch.randn(Hkv, D, generator=gen).to(dtype)
+    prefix_len = torch.tensor(prefix, dtype=torch.int64)
+    mask = torch.stack([random_tree_mask(R, gen) for _ in range(B)])
+    dev = lambda t: t.to(device)  # noqa: E731
+    return dev(q), dev(k_cache), dev(v_cache), dev(page_table), dev(prefix_len), mask
+
+
+def naive_tree_attention(q, k, v, ancestor_mask, prefix_len, scale):
+    """Per row: gather its visible keys explicitly, softmax, weighted sum (float64)."""
+    B, N, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    out = torch.zeros(B, N, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        P = int(prefix_len[b])
+        for i in range(N):
+            word = int(ancestor_mask[b, i]) & ((1 << 64) - 1)
+            keys = list(range(P)) + [P + j for j in range(N) if word >> j & 1]
+            if not keys:
+                continue
+            for h in range(Hq):
+                kk = k[b, keys, h // G].double()
+                s = kk @ q[b, i, h].double() * scale
+                out[b, i, h] = torch.softmax(s, 0) @ v[b, keys, h // G].double()
+    return out
+
+
+def test_reference_matches_naive_loop():
+    gen = torch.Generator().manual_seed(0)
+    B, N, Hq, Hkv, D, L = 2, 7, 4, 2, 16, 20
+    q = torch.randn(B, N, Hq, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, L, Hkv, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, L, Hkv, D, generator=gen, dtype=torch.float64)
+    prefix_len = torch.tensor([0, 9])
+    mask = torch.stack([random_tree_mask(N, gen), random_tree_mask(N, gen)])
+    mask[0, 3] = 0  # prefix 0 and no window key: sees nothing -> zeros
+    k[0, N:] = float("nan")  # past request 0's window
+    v[0, N:] = float("nan")
+    got = tree_attention_reference(q, k, v, mask, prefix_len)
+    want = naive_tree_attention(q, k, v, mask, prefix_len, D**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert got[0, 3].abs().max() == 0
+
+
+CASES = [  # (B, N, Hq, Hkv, page_size, prefix per request) -- odd remainders, page edges, prefix 0 and 1
+    (1, 1, 4, 1, 16, [0]),
+    (2, 2, 4, 4, 16, [1, 16]),
+    (2, 7, 8, 2, 16, [0, 37]),
+    (1, 16, 4, 1, 32, [95]),
+    (2, 16, 8, 1, 16, [129, 3]),
+    (1, 33, 2, 2, 64, [64]),
+    (1, 64, 8, 8, 16, [17]),
+    (1, 64, 4, 1, 64, [0]),
+]
+
+
+@pytest.mark.parametrize(
+    "B,N,Hq,Hkv,page_size,prefix", CASES, ids=[f"B{c[0]}-N{c[1]}-Hq{c[2]}-Hkv{c[3]}-pg{c[4]}-P{c[5]}" for c in CASES]
+)
+def test_kernel_matches_reference_random_trees(B, N, Hq, Hkv, page_size, prefix, kernel_device):
+    gen = torch.Generator().manual_seed(N * 131 + Hq)
+    D = 64
+    max_pages = -(-(max(prefix) + N) // page_size) + 1
+    q, kc, vc, pt, pl, _ = make_paged(B, N, Hq, Hkv, D, page_size, max_pages, prefix, N, torch.float32, gen)
+    mask = torch.stack([random_tree_mask(N, gen) for _ in range(B)])
+    want = tree_attention_paged_reference(q.double(), kc.double(), vc.double(), pt, pl, mask, page_size, N, D**-0.5)
+    dev = kernel_device
+    got = _launch_tree_attention_paged(
+        q.to(dev), kc.to(dev), vc.to(dev), pt.to(dev), pl.to(dev), mask.to(dev), page_size, N, D**-0.5
+    )
+    assert got.dtype == torch.float32 and got.shape == (B, N, Hq, D)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8], ids=lambda s: f"splits{s}")
+def test_kernel_split_counts_agree(num_splits, kernel_device):
+    """The split count is a static choice: any count gives the same result (several pages, odd remainder)."""
+    gen = torch.Generator().manual_seed(7)
+    B, N, Hq, Hkv, D, page_size, prefix = 1, 5, 4, 2, 64, 16, [300]
+    q, kc, vc, pt, pl, _ = make_paged(B, N, Hq, Hkv, D, page_size, 20, prefix, N, torch.float32, gen)
+    mask = random_tree_mask(N, gen)[None]
+    want = tree_attention_paged_reference(q.double(), kc.double(), vc.double(), pt, pl, mask, page_size, N, 0.1)
+    d = kernel_device
+    got = _launch_tree_attention_paged(
+        q.to(d), kc.to(d), vc.to(d), pt.to(d), pl.to(d), mask.to(d), page_size, N, 0.1, num_splits=num_splits
+    )
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
+def test_kernel_head_dims_fp16(D, kernel_device):
+    gen = torch.Generator().manual_seed(D)
+    B, N, Hq, Hkv, page_size, prefix = 1, 3, 2, 1, 16, [21]
+    q, kc, vc, pt, pl, _ = make_paged(B, N, Hq, Hkv, D, page_size, 3, prefix, N, torch.float16, gen)
+    mask = random_tree_mask(N, gen)[None]
+    want = tree_attention_paged_reference(q.double(), kc.double(), vc.double(), pt, pl, mask, page_size, N, D**-0.5)
+    d = kernel_device
+    got = _launch_tree_attention_paged(
+        q.to(d), kc.to(d), vc.to(d), pt.to(d), pl.to(d), mask.to(d), page_size, N, D**-0.5
+    )
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.cpu().double(), want, rtol=3e-3, atol=3e-3)
+
+
+def dense_causal(q, k, v, prefix, scale):
+    """SDPA with an explicit causal bool mask over the first prefix + N keys (float64), GQA expanded."""
+    B, N, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    L = prefix + N
+    kk = k[:, :L].double().repeat_interleave(G, dim=2).transpose(1, 2)
+    vv = v[:, :L].double().repeat_interleave(G, dim=2).transpose(1, 2)
+    allowed = torch.arange(L)[None, :] < (prefix + 1 + torch.arange(N))[:, None]
+    out = F.scaled_dot_product_attention(q.double().transpose(1, 2), kk, vv, attn_mask=allowed, scale=scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("N,prefix", [(1, 0), (7, 5), (64, 19)], ids=lambda x: str(x))
+def test_chain_mask_is_causal_attention(N, prefix, kernel_device):
+    """Metamorphic: the chain tree parent[i] = i - 1 is plain causal attention over prefix + window."""
+    gen = torch.Generator().manual_seed(N)
+    B, Hq, Hkv, D = 1, 4, 2, 64
+    L = prefix + N + 3
+    q = torch.randn(B, N, Hq, D, generator=gen)
+    k = torch.randn(B, L, Hkv, D, generator=gen)
+    v = torch.randn(B, L, Hkv, D, generator=gen)
+    k[:, prefix + N :] = float("nan")
+    v[:, prefix + N :] = float("nan")
+    mask = chain_mask(N)[None]
+    pl = torch.tensor([prefix])
+    want = dense_causal(q, k, v, prefix, D**-0.5)
+    torch.testing.assert_close(tree_attention_reference(q.double(), k.double(), v.double(), mask, pl), want)
+    d = kernel_device
+    pt = torch.zeros(1, 1, dtype=torch.int32, device=d)
+    got = _launch_tree_attention_paged(
+        q.to(d), k.to(d).reshape(L, Hkv, D), v.to(d).reshape(L, Hkv, D), pt, pl.to(d), mask.to(d), L, N, D**-0.5
+    )
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
+
+
+def test_rows_that_see_only_themselves_and_empty_rows(kernel_device):
+    """Window = own key only: with prefix 0 the output is exactly that key's value; a row with no bits and
+    prefix 0 sees nothing and gets zeros (empty prefix and window states merge to zero)."""
+    gen = torch.Generator().manual_seed(3)
+    B, N, Hq, Hkv, D = 2, 9, 4, 2, 64
+    L = 12
+    q = torch.randn(B, N, Hq, D, generator=gen)
+    k = torch.randn(B, L, Hkv, D, generator=gen)
+    v = torch.randn(B, L, Hkv, D, generator=gen)
+    k[1, 3 + N :] = float("nan")
+    v[1, 3 + N :] = float("nan")
+    mask = torch.tensor([1 << i for i in range(N)], dtype=torch.int64).repeat(B, 1)
+    mask[0, 4] = 0
+    pl = torch.tensor([0, 3])
+    d = kernel_device
+    pt = torch.arange(B, dtype=torch.int32, device=d)[:, None]
+    got = _launch_tree_attention_paged(
+        q.to(d), k.to(d).reshape(B * L, Hkv, D), v.to(d).reshape(B * L, Hkv, D), pt, pl.to(d), mask.to(d), L, N, 0.125
+    ).cpu()
+    want = tree_attention_reference(q.double(), k.double(), v.double(), mask, pl, scale=0.125)
+    torch.testing.assert_close(got.double(), want, rtol=2e-4, atol=2e-4)
+    own = v[0, :N].repeat_interleave(Hq // Hkv, dim=1)  # prefix 0: the row's own value, every head
+    keep = [i for i in range(N) if i != 4]
+    torch.testing.assert_close(got[0, keep], own[keep], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[0, 4], torch.zeros(Hq, D))
+
+
+def test_paged_equals_contiguous(kernel_device):
+    """The same keys through a shuffled page table and through contiguous storage give the same output."""
+    gen = torch.Generator().manual_seed(11)
+    B, N, Hq, Hkv, D, page_size = 2, 16, 4, 1, 64, 16
+    prefix = [45, 70]
+    L = 96
+    q = torch.randn(B, N, Hq, D, generator=gen)
+    k = torch.randn(B, L, Hkv, D, generator=gen)
+    v = torch.randn(B, L, Hkv, D, generator=gen)
+    mask = torch.stack([random_tree_mask(N, gen) for _ in range(B)])
+    pl = torch.tensor(prefix)
+    max_pages = L // page_size
+    pt = (1 + torch.randperm(B * max_pages, generator=gen)).view(B, max_pages).to(torch.int32)
+    kc = torch.full(((1 + B * max_pages) * page_size, Hkv, D), float("nan"))
+    vc = torch.full_like(kc, float("nan"))
+    for b in range(B):
+        for t in range(L):
+            slot = int(pt[b, t // page_size]) * page_size + t % page_size
+            kc[slot], vc[slot] = k[b, t], v[b, t]
+    d = kernel_device
+    paged = _launch_tree_attention_paged(
+        q.to(d), kc.to(d), vc.to(d), pt.to(d), pl.to(d), mask.to(d), page_size, N, 0.1
+    ).cpu()
+    contiguous = _launch_tree_attention_paged(
+        q.to(d), k.to(d).reshape(B * L, Hkv, D), v.to(d).reshape(B * L, Hkv, D),
+        torch.arange(B, dtype=torch.int32, device=d)[:, None], pl.to(d), mask.to(d), L, N, 0.1,
+    ).cpu()  # fmt: skip
+    torch.testing.assert_close(paged, contiguous, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tree_attention(q, k, v, mask, pl, scale=0.1), contiguous, rtol=1e-5, atol=1e-5)
+
+
+def test_functional_form_float64_cpu():
+    """The public functional on CPU is the float64-capable reference: default scale D ** -0.5."""
+    gen = torch.Generator().manual_seed(5)
+    B, N, Hq, Hkv, D, L = 1, 4, 2, 1, 8, 9
+    q = torch.randn(B, N, Hq, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, L, Hkv, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, L, Hkv, D, generator=gen, dtype=torch.float64)
+    mask = random_tree_mask(N, gen)[None]
+    pl = torch.tensor([5])
+    got = tree_attention(q, k, v, mask, pl)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, naive_tree_attention(q, k, v, mask, pl, D**-0.5), rtol=1e-12, atol=1e-12)
+
+
+def test_opcheck_tree_attention_paged():
+    gen = torch.Generator().manual_seed(1)
+    B, N, Hq, Hkv, D, page_size = 2, 3, 4, 2, 16, 4
+    q, kc, vc, pt, pl, mask = make_paged(B, N, Hq, Hkv, D, page_size, 3, [2, 5], N, torch.float32, gen)
+    kc = torch.nan_to_num(kc, nan=0.0, posinf=0.0)  # opcheck compares outputs; keep them finite
+    vc = torch.nan_to_num(vc, nan=0.0, posinf=0.0)
+    torch.library.opcheck(
+        torch.ops.treespec.tree_attention_paged.default, (q, kc, vc, pt, pl, mask, page_size, N, 0.25)
+    )
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bad input: ValueError at the boundary
+# ------------------------------------------------------------------------------------------------------
+
+
+def _small(N=4, L=10, D=16, Hq=2, Hkv=1, dtype=torch.float32):
+    q = torch.randn(1, N, Hq, D, dtype=dtype)
+    k = torch.randn(1, L, Hkv, D, dtype=dtype)
+    return q, k, k.clone(), chain_mask(min(N, 64))[None].expand(1, N).clone() if N <= 64 else None
+
+
+def test_bad_input_too_many_nodes():
+    q, k, v, _ = _small(N=65, L=80)
+    with pytest.raises(ValueError, match="1..64 nodes"):
+        tree_attention(q, k, v, torch.zeros(1, 65, dtype=torch.int64), torch.tensor([0]))
+
+
+def test_bad_input_mask_bits_beyond_window():
+    q, k, v, mask = _small(N=4)
+    mask[0, 2] |= 1 << 5
+    with pytest.raises(ValueError, match="ancestor_mask: bits at or above the window"):
+        tree_attention(q, k, v, mask, torch.tensor([0]))
+
+
+def test_bad_input_prefix_past_l_minus_n():
+    q, k, v, mask = _small(N=4, L=10)
+    with pytest.raises(ValueError, match="prefix_len: request 0 has prefix_len 7"):
+        tree_attention(q, k, v, mask, torch.tensor([7]))
+
+
+def test_bad_input_unsupported_head_dim_in_kernel():
+    q, k, v, mask = _small(D=96)
+    pt = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="head dim 96 is not supported"):
+        _launch_tree_attention_paged(q, k[0], v[0], pt, torch.tensor([0]), mask, 10, 4, 0.1)
+
+
+@pytest.mark.parametrize("which", ["q", "v"])
+def test_bad_input_dtype_mismatch(which):
+    q, k, v, mask = _small()
+    if which == "q":
+        q = q.half()
+    else:
+        v = v.double()
+    with pytest.raises(ValueError, match="must equal|must match|shapes must match|dtype"):
+        tree_attention(q, k, v, mask, torch.tensor([0]))
+
+
+def test_bad_input_device_mismatch():
+    q, k, v, mask = _small()
+    with pytest.raises(ValueError, match="one device"):
+        torch.ops.treespec.tree_attention_paged(
+            q, k[0], v[0], torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0], device="meta"), mask, 10, 4, 0.1
+        )
+
+
+def test_bad_input_page_table_too_short():
+    q, k, v, mask = _small(N=4, L=16)
+    kc = k.reshape(16, 1, 16)
+    pt = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="page_table: 1 pages x page_size 2 = 2 keys is too short"):
+        torch.ops.treespec.tree_attention_paged(q, kc, kc, pt, torch.tensor([0]), mask, 2, 4, 0.1)
+    from treecompile.ops.tree_attention import validate_tree_attention_values
+
+    with pytest.raises(ValueError, match="page table is too short"):
+        validate_tree_attention_values(torch.tensor([3]), mask, window=4, capacity=6)
+
+
+def test_bad_input_wrong_dtypes_of_metadata():
+    q, k, v, mask = _small()
+    with pytest.raises(ValueError, match="ancestor_mask: expected dtype torch.int64"):
+        tree_attention(q, k, v, mask.int(), torch.tensor([0]))
+    with pytest.raises(ValueError, match="prefix_len: expected dtype torch.int64"):
+        tree_attention(q, k, v, mask, torch.tensor([0], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [16, 64], ids=lambda n: f"N{n}")
+def test_gpu_bf16_benchmark_shape(N):
+    gen = torch.Generator().manual_seed(N)
+    B, Hq, Hkv, D, page_size, prefix = 2, 32, 8, 128, 64, [3000, 1]
+    q, kc, vc, pt, pl, _ = make_paged(B, N, Hq, Hkv, D, page_size, 50, prefix, N, torch.bfloat16, gen)
+    mask = torch.stack([random_tree_mask(N, gen) for _ in range(B)])
+    want = tree_attention_paged_reference(q.double(), kc.double(), vc.double(), pt, pl, mask, page_size, N, D**-0.5)
+    got = torch.ops.treespec.tree_attention_paged(
+        q.cuda(), kc.cuda(), vc.cuda(), pt.cuda(), pl.cuda(), mask.cuda(), page_size, N, D**-0.5
+    )
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_new_masks_and_prefixes():
+    """Capture once; write new masks and prefix lengths into the bound buffers; each replay matches."""
+    gen = torch.Generator().manual_seed(2)
+    B, N, Hq, Hkv, D, page_size, max_pages = 2, 16, 8, 2, 128, 16, 40
+    q, kc, vc, pt, _, _ = make_paged(B, N, Hq, Hkv, D, page_size, max_pages, [600, 600], N, torch.float16, gen)
+    q, kc, vc, pt = q.cuda(), kc.cuda(), vc.cuda(), pt.cuda()
+    kc = torch.nan_to_num(kc, nan=0.5)  # every slot up to 616 is written; the rest must stay unread
+    vc = torch.nan_to_num(vc, posinf=0.5)
+    pl_buf = torch.zeros(B, dtype=torch.int64, device="cuda")
+    mask_buf = chain_mask(N)[None].repeat(B, 1).cuda()
+    op = torch.ops.treespec.tree_attention_paged
+    args = (q, kc, vc, pt, pl_buf, mask_buf, page_size, N, D**-0.5)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        op(*args)  # warm-up compiles the kernels outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*args)
+    for prefix in ([0, 1], [37, 600], [599, 256]):
+        pl_buf.copy_(torch.tensor(prefix))
+        mask_buf.copy_(torch.stack([random_tree_mask(N, gen) for _ in range(B)]))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = tree_attention_paged_reference(
+            q.double(), kc.double(), vc.double(), pt, pl_buf, mask_buf, page_size, N, D**-0.5
+        )
+        torch.testing.assert_close(out.double(), want, rtol=3e-3, atol=3e-3, msg=f"prefix {prefix}")
+
+
+@pytest.mark.gpu
+def test_gpu_functional_nan_past_window():
+    gen = torch.Generator().manual_seed(9)
+    B, N, Hq, Hkv, D, L = 2, 33, 16, 4, 64, 200
+    q = torch.randn(B, N, Hq, D, generator=gen).bfloat16().cuda()
+    k = torch.randn(B, L, Hkv, D, generator=gen).bfloat16().cuda()
+    v = torch.randn(B, L, Hkv, D, generator=gen).bfloat16().cuda()
+    pl = torch.tensor([100, 0], device="cuda")
+    k[0, 100 + N :] = float("nan")
+    v[0, 100 + N :] = float("nan")
+    k[1, N:] = float("inf")
+    v[1, N:] = float("nan")
+    mask = torch.stack([random_tree_mask(N, gen) for _ in range(B)]).cuda()
+    got = tree_attention(q, k, v, mask, pl)
+    want = tree_attention_reference(q.double(), k.double(), v.double(), mask, pl)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_math_sanity_of_helpers():
+    """The test helpers themselves: chain masks are prefixes of ones, tree masks contain their own bit."""
+    assert [int(x) for x in chain_mask(3)] == [1, 3, 7]
+    assert int(chain_mask(64)[63]) == -1
+    gen = torch.Generator().manual_seed(0)
+    m = random_tree_mask(64, gen)
+    assert all((int(m[i]) >> i) & 1 for i in range(64))
+    assert math.isclose(64**-0.5, 0.125)
+
+
+def test_functional_compiles_fullgraph_without_value_checks():
+    """Under torch.compile the value checks (host reads) are skipped: no graph break, same result."""
+    gen = torch.Generator().manual_seed(4)
+    B, N, Hq, Hkv, D, L = 1, 3, 2, 1, 8, 7
+    q = torch.randn(B, N, Hq, D, generator=gen)
+    k = torch.randn(B, L, Hkv, D, generator=gen)
+    v = torch.randn(B, L, Hkv, D, generator=gen)
+    mask = chain_mask(N)[None]
+    pl = torch.tensor([2])
+    compiled = torch.compile(tree_attention, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, mask, pl), tree_attention(q, k, v, mask, pl))
