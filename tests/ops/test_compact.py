@@ -309,7 +309,7 @@ def test_validate_accepted_path_accepts_valid_paths():
 @pytest.mark.gpu
 def test_gpu_op_matches_oracle_and_replays_in_a_cuda_graph():
     buffers, _ = make_buffers("cuda", seed=11)
-    slots, path, accept_len = random_acceptance(8, 64, 64, seed=11)
+    slots, path, accept_len = random_acceptance(4, 64, 64, seed=11)  # 4 * 64 <= NUM_SLOTS
     dev = [t.cuda() for t in (slots, path, accept_len)]
     want = oracle_compact(buffers, *dev)
     torch.ops.treespec.compact_window_rows(buffers, *dev)  # warm-up: builds the pointer table
@@ -321,7 +321,7 @@ def test_gpu_op_matches_oracle_and_replays_in_a_cuda_graph():
     fresh, _ = make_buffers("cuda", seed=12)
     for buf, new in zip(buffers, fresh):
         buf.copy_(new)
-    new_slots, new_path, new_len = random_acceptance(8, 64, 64, seed=13)
+    new_slots, new_path, new_len = random_acceptance(4, 64, 64, seed=13)
     for t, new in zip(dev, (new_slots, new_path, new_len)):
         t.copy_(new)
     want = oracle_compact(buffers, *dev)

@@ -47,7 +47,9 @@ def test_out_of_range_slots_are_skipped_and_dummy_absorbs_padding(kernel_device)
         launch(kc, vc, k.to(d), v.to(d), slots.to(d))
         kc, vc = kc.cpu(), vc.cpu()
         assert torch.equal(kc[3], k[0]) and torch.equal(kc[9], k[5]) and torch.equal(vc[9], v[5])
-        assert torch.equal(kc[0], k[3]) or torch.equal(kc[0], k[4])  # one of the padded rows
+        # Two padded rows race for the dummy slot: its contents are never read, so any interleaving of
+        # the two rows is fine, but nothing else may land there.
+        assert ((kc[0] == k[3]) | (kc[0] == k[4])).all() and ((vc[0] == v[3]) | (vc[0] == v[4])).all()
         rest = [s for s in range(num_slots) if s not in (0, 3, 9)]
         assert kc[rest].isnan().all() and vc[rest].isnan().all()
 

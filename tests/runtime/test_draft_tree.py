@@ -441,11 +441,13 @@ def test_cuda_matches_cpu_without_syncs(config):
     _, want = run_round(DraftTree(K, S, N), *inputs)
     logp0, tokens0, steps, roots = inputs
     cuda_steps = [(cl.cuda(), ct.cuda()) for cl, ct in steps]
+    # Host-to-device copies of the inputs are syncs themselves: do them before the checked region.
+    logp0, tokens0, roots = logp0.cuda(), tokens0.cuda(), roots.cuda()
     tree = DraftTree(K, S, N)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        _, got = run_round(tree, logp0.cuda(), tokens0.cuda(), cuda_steps, roots.cuda())
+        _, got = run_round(tree, logp0, tokens0, cuda_steps, roots)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):

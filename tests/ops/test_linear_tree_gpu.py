@@ -1,0 +1,110 @@
+"""The tree conv and GDN ops on CUDA (compiled Triton) against their float64 references on CPU.
+
+The interpreter accepts code compiled Triton rejects, so the kernel tests in test_conv_tree.py and
+test_gdn_tree.py are not enough: this file runs the CUDA path at Qwen3-Next-like head shapes.
+"""
+
+import pytest
+import torch
+
+import treecompile.ops.conv_tree  # noqa: F401
+import treecompile.ops.gdn_tree as gdn
+from conftest import poisoned
+
+pytestmark = pytest.mark.gpu
+
+
+def random_parents(batch, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(batch):
+        kind = b % 3
+        if kind == 0:
+            rows.append([i - 1 for i in range(n)])
+        elif kind == 1:
+            rows.append([-1] + [0] * (n - 1))
+        else:
+            rows.append([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 33, 64], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("kw", [2, 4], ids=lambda k: f"Kw{k}")
+def test_conv_tree_update_and_commit_on_cuda(n, kw):
+    batch, channels = 3, 384
+    gen = torch.Generator().manual_seed(n * 10 + kw)
+    x = torch.randn(batch, n, channels, generator=gen, dtype=torch.float64)
+    state = torch.randn(batch, channels, kw - 1, generator=gen, dtype=torch.float64)
+    weight = torch.randn(channels, kw, generator=gen, dtype=torch.float64)
+    bias = torch.randn(channels, generator=gen, dtype=torch.float64)
+    parents = random_parents(batch, n, n)
+    want = torch.ops.treespec.causal_conv1d_tree_update(x, state, weight, bias, parents, "silu")
+    got = torch.ops.treespec.causal_conv1d_tree_update(
+        x.float().cuda(), state.float().cuda(), weight.float().cuda(), bias.float().cuda(), parents.cuda(), "silu"
+    )
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-4, rtol=1e-4)
+
+    accept_len = torch.tensor([min(n, 3), 1, n], dtype=torch.int64)
+    path = torch.full((batch, n), -1, dtype=torch.int64)
+    for b in range(batch):  # an ancestor chain ending at the last node: a valid accepted path
+        node, nodes = n - 1, []
+        while node >= 0:
+            nodes.append(node)
+            node = int(parents[b, node])
+        nodes = nodes[::-1][: int(accept_len[b])]
+        accept_len[b] = len(nodes)
+        path[b, : len(nodes)] = torch.tensor(nodes)
+    want_state = state.clone()
+    torch.ops.treespec.causal_conv1d_tree_commit(want_state, x, path, accept_len)
+    got_state = state.float().cuda()
+    torch.ops.treespec.causal_conv1d_tree_commit(got_state, x.float().cuda(), path.cuda(), accept_len.cuda())
+    torch.testing.assert_close(got_state.cpu().double(), want_state, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 33, 64], ids=lambda n: f"N{n}")
+def test_gdn_tree_verify_and_replay_on_cuda(n):
+    batch, hk, hv, dk, dv = 3, 2, 4, 128, 128
+    gen = torch.Generator().manual_seed(n)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = rnd(batch, n, hk, dk), rnd(batch, n, hk, dk), rnd(batch, n, hv, dv)
+    g = -torch.rand(batch, n, hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(batch, n, hv, generator=gen, dtype=torch.float64)
+    state = rnd(batch, hv, dk, dv) * 0.5
+    parents = random_parents(batch, n, n + 1)
+    width = gdn.gdn_payload_width(hk, dk, hv, dv)
+
+    ws64 = poisoned((batch, n, hv, dk, dv), torch.float64)
+    pl64 = poisoned((batch, n, width), torch.float64)
+    want = torch.ops.treespec.gdn_tree_verify(q, k, v, g, beta, state, parents, ws64, pl64, None, True)
+
+    cu = lambda t: t.float().cuda()  # noqa: E731
+    ws = poisoned((batch, n, hv, dk, dv), torch.float32, "cuda")
+    pl = poisoned((batch, n, width), torch.float32, "cuda")
+    state_cu = cu(state)
+    got = torch.ops.treespec.gdn_tree_verify(
+        cu(q), cu(k), cu(v), cu(g), cu(beta), state_cu, parents.cuda(), ws, pl, None, True
+    )
+    torch.testing.assert_close(got.cpu().double(), want, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(state_cu.cpu().double(), state.float().double())  # verify never writes it
+    branch = gdn.gdn_branch_points(parents)
+    torch.testing.assert_close(ws.cpu().double()[branch], ws64[branch], atol=2e-3, rtol=2e-3)
+    assert ws.cpu()[~branch].isnan().all()
+    torch.testing.assert_close(pl.cpu().double(), pl64, atol=1e-5, rtol=1e-5)
+
+    accept_len = torch.tensor([n, 1, min(n, 2)], dtype=torch.int64)
+    path = torch.full((batch, n), -1, dtype=torch.int64)
+    for b in range(batch):
+        node, nodes = n - 1, []
+        while node >= 0:
+            nodes.append(node)
+            node = int(parents[b, node])
+        nodes = nodes[::-1][: int(accept_len[b])]
+        accept_len[b] = len(nodes)
+        path[b, : len(nodes)] = torch.tensor(nodes)
+    want_state = state.clone()
+    torch.ops.treespec.gdn_replay_commit(want_state, pl64, path, accept_len)
+    torch.ops.treespec.gdn_replay_commit(state_cu, pl, path.cuda(), accept_len.cuda())
+    torch.testing.assert_close(state_cu.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
