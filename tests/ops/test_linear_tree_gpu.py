@@ -108,3 +108,68 @@ def test_gdn_tree_verify_and_replay_on_cuda(n):
     torch.ops.treespec.gdn_replay_commit(want_state, pl64, path, accept_len)
     torch.ops.treespec.gdn_replay_commit(state_cu, pl, path.cuda(), accept_len.cuda())
     torch.testing.assert_close(state_cu.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
+
+
+def accepted_chain(parents, accept_len):
+    """A valid accepted path per request: the first ``accept_len`` nodes of the path to the last node."""
+    batch, n = parents.shape
+    path = torch.full((batch, n), -1, dtype=torch.int64)
+    lens = accept_len.clone()
+    for b in range(batch):
+        node, nodes = n - 1, []
+        while node >= 0:
+            nodes.append(node)
+            node = int(parents[b, node])
+        nodes = nodes[::-1][: int(accept_len[b])]
+        lens[b] = len(nodes)
+        path[b, : len(nodes)] = torch.tensor(nodes)
+    return path, lens
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 33, 64], ids=lambda n: f"N{n}")
+def test_mamba2_tree_verify_and_commits_on_cuda(n):
+    import treecompile.ops.mamba2_tree as m2
+
+    batch, h, g, p, s = 3, 8, 2, 64, 128
+    gen = torch.Generator().manual_seed(n)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    x, dt = rnd(batch, n, h, p), rnd(batch, n, h)
+    A = -torch.rand(h, generator=gen, dtype=torch.float64) * 2 - 0.1
+    B, C = rnd(batch, n, g, s), rnd(batch, n, g, s)
+    D, dt_bias = rnd(h), rnd(h)
+    state = rnd(batch, h, p, s) * 0.5
+    parents = random_parents(batch, n, n + 2)
+    width = m2.mamba2_payload_width(h, p, g, s)
+
+    pl64 = poisoned((batch, n, width), torch.float64)
+    want = torch.ops.treespec.mamba2_tree_verify(x, dt, A, B, C, D, dt_bias, state, parents, pl64)
+    sc64 = poisoned((batch, n, h, p, s), torch.float64)
+    torch.ops.treespec.mamba2_tree_verify_staged(x, dt, A, B, C, D, dt_bias, state, parents, sc64)
+
+    cu = lambda t: t.float().cuda()  # noqa: E731
+    state_cu = cu(state)
+    pl = poisoned((batch, n, width), torch.float32, "cuda")
+    got = torch.ops.treespec.mamba2_tree_verify(
+        cu(x), cu(dt), cu(A), cu(B), cu(C), cu(D), cu(dt_bias), state_cu, parents.cuda(), pl
+    )
+    torch.testing.assert_close(got.cpu().double(), want, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(state_cu.cpu().double(), state.float().double())
+    sc = poisoned((batch, n, h, p, s), torch.float32, "cuda")
+    got_staged = torch.ops.treespec.mamba2_tree_verify_staged(
+        cu(x), cu(dt), cu(A), cu(B), cu(C), cu(D), cu(dt_bias), state_cu, parents.cuda(), sc
+    )
+    torch.testing.assert_close(got_staged.cpu().double(), want, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(sc.cpu().double(), sc64, atol=2e-3, rtol=2e-3)
+
+    path, lens = accepted_chain(parents, torch.tensor([n, 1, min(n, 2)]))
+    want_state = state.clone()
+    torch.ops.treespec.mamba2_replay_commit(want_state, pl64, path, lens)
+    replayed = state_cu.clone()
+    torch.ops.treespec.mamba2_replay_commit(replayed, pl, path.cuda(), lens.cuda())
+    torch.testing.assert_close(replayed.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
+    staged = state_cu.clone()
+    torch.ops.treespec.ssm_commit_staged(staged, sc, path.cuda(), lens.cuda())
+    torch.testing.assert_close(staged.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
