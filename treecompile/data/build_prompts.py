@@ -1,0 +1,392 @@
+"""Writes the prompt sets ``prompts_train.json`` and ``prompts_heldout.json`` beside this script.
+
+Run ``python treecompile/data/build_prompts.py`` after editing the lists below; the JSON files are
+committed and ``tests/runtime/test_prompts.py`` checks that they equal this script's output.
+
+Prompts are templates x topics over five categories (chat, code, math, writing, extraction). The
+held-out set draws on topics reserved for it (``HELDOUT_*``, never used in training) and a few templates
+of its own, so it measures a drafter on prompts it has not been distilled on, not on rephrasings of
+them. Fully deterministic: no randomness, no set iteration; numbers come from fixed arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+FORMAT_VERSION = 1
+
+# --- chat: explanations, advice, comparisons -------------------------------------------------------
+CHAT_TOPICS = [
+    "photosynthesis", "black holes", "the water cycle", "inflation", "vaccines", "plate tectonics",
+    "the French Revolution", "machine learning", "compound interest", "climate change", "the human heart",
+    "electric cars", "the Roman Empire", "blockchain", "sleep", "the stock market", "renewable energy",
+    "the printing press", "DNA", "the Internet", "gravity", "coffee", "the Great Wall of China",
+    "recycling", "earthquakes", "the Olympic Games", "honey bees", "solar panels", "the moon landing",
+    "antibiotics", "the Renaissance", "rainbows", "supply and demand", "coral reefs", "jazz music",
+    "the Industrial Revolution", "nuclear power", "meditation", "tides", "the ancient Egyptians",
+    "cloud computing", "hurricanes", "the immune response to a cold", "democracy", "quantum computers",
+    "migrating birds", "the Silk Road", "bread baking", "the Amazon rainforest", "3D printing",
+    "the speed of light", "chess openings", "public libraries", "composting", "the Cold War",
+    "tea ceremonies", "glaciers", "credit scores", "the Moon's phases", "electric guitars",
+]
+CHAT_TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "What are the most important facts about {t}?",
+    "Can you give me a short overview of {t}?",
+    "Why is {t} important?",
+    "Explain {t} to a ten-year-old.",
+    "What is a common misconception about {t}?",
+    "Tell me three interesting things about {t}.",
+    "How would you describe {t} in one paragraph?",
+    "What should a beginner know about {t}?",
+    "What questions do people often ask about {t}?",
+]
+ADVICE_ACTIVITIES = [
+    "learning a new language", "staying focused while studying", "running a first marathon",
+    "saving money on groceries", "preparing for a job interview", "keeping houseplants alive",
+    "writing a good resume", "improving my sleep", "starting a vegetable garden", "learning to cook",
+    "speaking in public", "organizing a small office", "traveling on a budget", "learning the piano",
+    "making new friends in a new city", "reducing screen time", "training a puppy",
+    "planning a birthday party", "getting better at chess", "staying healthy while working from home",
+]
+ADVICE_TEMPLATES = [
+    "Give me three tips for {a}.",
+    "What is the best way to get started with {a}?",
+    "I am struggling with {a}. Any advice?",
+]
+COMPARISONS = [
+    ("cats", "dogs as pets"), ("trains", "planes for a 500 km trip"), ("renting", "buying a home"),
+    ("tea", "coffee"), ("e-books", "printed books"), ("running", "swimming for fitness"),
+    ("a laptop", "a desktop computer"), ("city life", "country life"), ("email", "instant messaging at work"),
+    ("wind power", "solar power"), ("a gas stove", "an induction cooktop"), ("public schools", "homeschooling"),
+]
+
+# --- code ---------------------------------------------------------------------------------------
+CODE_LANGUAGES = ["Python", "JavaScript", "C", "Rust", "Go", "Java", "TypeScript"]
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "counts the vowels in a string", "merges two sorted lists into one sorted list",
+    "removes duplicates from a list while keeping the order", "computes the factorial of n",
+    "checks whether a string is a palindrome", "finds the largest element of an array",
+    "converts Celsius to Fahrenheit", "computes the greatest common divisor of two integers",
+    "flattens a nested list", "counts how often each word occurs in a text",
+    "performs binary search on a sorted array", "returns the sum of the digits of an integer",
+    "rotates a list by k positions", "checks whether two strings are anagrams",
+    "computes the average of a list of numbers", "transposes a matrix",
+    "finds the second largest number in a list", "validates a simple email address",
+    "converts a decimal number to binary", "returns all even numbers from a list",
+    "capitalizes the first letter of every word", "computes the running sum of a list",
+    "implements bubble sort", "checks whether parentheses in a string are balanced",
+    "returns the intersection of two lists", "computes the power set of a small set",
+    "converts a Roman numeral to an integer",
+]
+CODE_TEMPLATES = [
+    "Write a {lang} function that {task}.",
+    "In {lang}, how do I write code that {task}? Show an example.",
+    "Write a short {lang} program that {task}, with comments.",
+]
+CODE_CONCEPTS = [
+    ("a list", "a tuple in Python"), ("let", "const in JavaScript"), ("a process", "a thread"),
+    ("TCP", "UDP"), ("a stack", "a queue"), ("recursion", "iteration"), ("SQL", "NoSQL databases"),
+    ("git merge", "git rebase"), ("an interface", "an abstract class"), ("compiled", "interpreted languages"),
+    ("a pointer", "a reference in C++"), ("HTTP GET", "HTTP POST"), ("unit tests", "integration tests"),
+    ("a hash map", "a binary search tree"), ("synchronous", "asynchronous code"),
+]
+CODE_SNIPPETS = [
+    "def f(xs):\n    return [x * x for x in xs if x % 2 == 0]",
+    "for i in range(1, 16):\n    print('Fizz' * (i % 3 == 0) + 'Buzz' * (i % 5 == 0) or i)",
+    "const total = items.reduce((acc, item) => acc + item.price * item.qty, 0);",
+    "SELECT name, COUNT(*) FROM orders GROUP BY name HAVING COUNT(*) > 5;",
+    "int sum = 0;\nfor (int i = 0; i < n; i++) sum += a[i];",
+    "def g(n):\n    return n if n < 2 else g(n - 1) + g(n - 2)",
+    "words = sorted(set(text.lower().split()))",
+    "git log --oneline --graph --all",
+    "let v: Vec<i32> = (1..=10).filter(|x| x % 3 == 0).collect();",
+    "with open('data.txt') as fh:\n    lines = [line.strip() for line in fh if line.strip()]",
+]
+SNIPPET_TEMPLATES = [
+    "Explain what this code does:\n{code}",
+    "Is there anything wrong with this code? How could it be improved?\n{code}",
+]
+SQL_TASKS = [
+    "lists all customers from Canada", "finds the ten most expensive products",
+    "counts orders per month in 2023", "finds employees who earn more than their manager",
+    "returns the average salary per department", "deletes rows older than one year from a logs table",
+]
+
+# --- math ---------------------------------------------------------------------------------------
+MATH_CONCEPTS = [
+    "a prime number", "the Pythagorean theorem", "a derivative", "probability", "a logarithm",
+    "the area of a circle", "a fraction", "standard deviation", "an integral", "a matrix",
+    "the order of operations", "a percentage", "a vector", "an exponential function", "a median",
+]
+SHAPES = [("rectangle", "length {a} cm and width {b} cm", "area"), ("triangle", "base {a} m and height {b} m", "area"),
+          ("box", "sides {a}, {b} and {c} cm", "volume"), ("circle", "radius {a} cm", "circumference")]
+ITEMS = ["apples", "pencils", "books", "tickets", "cookies", "stamps", "marbles", "notebooks"]
+NAMES = ["Alice", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kofi", "Lena"]
+
+# --- writing ------------------------------------------------------------------------------------
+WRITING_SUBJECTS = [
+    "the ocean at night", "a rainy Monday morning", "an old lighthouse", "autumn leaves", "a city at dawn",
+    "a lost umbrella", "friendship", "the first snow of winter", "a busy train station", "a cup of tea",
+    "a mountain village", "a robot learning to paint", "the last day of summer", "a library at midnight",
+    "a grandmother's kitchen", "a small boat in a storm", "the desert after rain", "a forgotten letter",
+    "a street market", "a cat watching birds",
+]
+WRITING_TEMPLATES = [
+    "Write a short poem about {s}.",
+    "Write a haiku about {s}.",
+    "Write a short story (about 150 words) about {s}.",
+    "Describe {s} in vivid detail.",
+    "Write the opening paragraph of a novel set around {s}.",
+]
+EMAILS = [
+    ("my landlord", "a broken heating system"), ("my manager", "taking a day off next Friday"),
+    ("a customer", "a delayed delivery"), ("a professor", "an extension for an assignment"),
+    ("a colleague", "rescheduling our weekly meeting"), ("the city council", "a dangerous crossing near a school"),
+    ("a hotel", "a room reservation for three nights"), ("a supplier", "a wrong invoice"),
+    ("my team", "a new code review process"), ("a neighbour", "a noisy party"),
+]
+EMAIL_TEMPLATES = [
+    "Write a polite email to {to} about {about}.",
+    "Write a short, formal email to {to} regarding {about}.",
+]
+PRODUCTS = [
+    "a reusable water bottle", "noise-cancelling headphones", "a standing desk", "a solar phone charger",
+    "an electric kettle", "a hiking backpack", "a smart watch", "a bamboo toothbrush", "a coffee grinder",
+    "a children's picture book about space",
+]
+PRODUCT_TEMPLATES = [
+    "Write a product description for {p}.",
+    "Write a catchy slogan for {p}.",
+    "Write a short customer review of {p}.",
+]
+
+# --- extraction ---------------------------------------------------------------------------------
+CITIES = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Krakow", "Lima", "Dublin", "Hanoi", "Perth", "Tunis"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September",
+          "October", "November", "December"]
+COMPANIES = ["Northwind Ltd", "Bluepeak Systems", "Greenleaf Foods", "Orbit Logistics", "Maple Analytics",
+             "Redstone Energy", "Silverline Media", "Harbor Robotics"]
+REVIEW_ASPECTS = [("battery life", "lasts two full days"), ("screen", "is bright and sharp"),
+                  ("delivery", "took three weeks"), ("sound", "is muffled at high volume"),
+                  ("customer support", "answered within an hour"), ("price", "feels too high"),
+                  ("build quality", "is solid"), ("setup", "was confusing")]
+REVIEW_TASKS = [
+    "Classify the sentiment of this review as positive, negative or mixed: {r}",
+    "List the product aspects mentioned in this review and whether each is praised or criticized: {r}",
+]
+EXTRACTION_TASKS = [
+    "Extract every person's name, city and date from this text and return them as a JSON list:\n{text}",
+    "List all the dates mentioned in the following text:\n{text}",
+    "Who is mentioned in this text, and where are they? Answer as a bullet list.\n{text}",
+    "Summarize the following text in one sentence:\n{text}",
+]
+
+# --- held-out: topics and templates never used in training -----------------------------------------
+HELDOUT_CHAT_TOPICS = ["volcanoes", "the human brain", "paper money", "the Northern Lights", "submarines",
+                       "the history of the bicycle", "octopuses", "the metric system"]
+HELDOUT_CHAT_TEMPLATES = ["Explain {t} in simple terms.", "How does {t} work, briefly?"]
+HELDOUT_CODE_TASKS = ["counts the lines in a text file", "checks whether a year is a leap year",
+                      "returns the longest word in a sentence", "converts a list of pairs into a dictionary",
+                      "computes the median of a list of numbers", "shuffles a deck of cards"]
+HELDOUT_CODE_LANGUAGES = ["Python", "JavaScript"]
+HELDOUT_WRITING_SUBJECTS = ["a lighthouse keeper's last night", "a garden in spring", "an abandoned amusement park",
+                            "a violin in a pawn shop"]
+HELDOUT_EXTRA = [
+    ("chat", "What is the capital of Australia, and why is it not Sydney?"),
+    ("chat", "Plan a three-day trip to Rome for someone who loves history."),
+    ("writing", "Write a limerick about a forgetful wizard."),
+    ("math", "If a train leaves at 14:35 and the journey takes 2 hours and 50 minutes, when does it arrive?"),
+    ("math", "A recipe needs 3 eggs for 12 muffins. How many eggs are needed for 30 muffins?"),
+    ("math", "Solve for y: 5y - 9 = 3y + 7."),
+    ("math", "What is 18% of 450?"),
+    ("extraction", "Extract the product names and prices from this text as JSON:\nThe Alpine tent costs $249, "
+                   "the TrailLite stove is $59 and the Summit sleeping bag sells for $179."),
+    ("extraction", "Classify the sentiment of this review as positive, negative or mixed: \"The hotel room was "
+                   "spotless, but the staff ignored our complaints about the noise.\""),
+    ("writing", "Rewrite this sentence in a more formal tone: \"Hey, can u send me the report asap?\""),
+    ("chat", "Give me a list of five healthy breakfast ideas."),
+    ("chat", "What are the pros and cons of working a four-day week?"),
+    ("code", "Write a SQL query that finds the three cities with the most registered users."),
+    ("chat", "Explain the difference between weather and climate."),
+    ("writing", "Translate \"Where is the nearest train station?\" into Spanish and French."),
+    ("writing", "Write a short thank-you note to a teacher who helped me prepare for an exam."),
+]
+
+
+def _cycle_pick(items: list, i: int, k: int) -> list:
+    """k items of ``items`` starting at i with a stride co-prime to typical list sizes (deterministic)."""
+    return [items[(i + 3 * j) % len(items)] for j in range(k)]
+
+
+def _math_problems() -> list[str]:
+    out = []
+    for i in range(40):
+        a, b = 3 + (7 * i) % 23, 2 + (5 * i) % 17
+        name, other = NAMES[i % len(NAMES)], NAMES[(i + 5) % len(NAMES)]
+        item = ITEMS[i % len(ITEMS)]
+        kind = i % 5
+        if kind == 0:
+            out.append(f"{name} has {a + b} {item} and gives {b} to {other}. How many {item} does {name} have left?")
+        elif kind == 1:
+            out.append(f"{name} buys {a} packs of {item} with {b} in each pack. How many {item} is that in total?")
+        elif kind == 2:
+            out.append(f"A car travels {a * 10} km in {b % 5 + 1} hours. What is its average speed?")
+        elif kind == 3:
+            out.append(f"{name} and {other} share {a * b} {item} equally. How many does each get?")
+        else:
+            out.append(f"A shirt costs ${a * 4} and is on sale for {5 * (b % 6 + 1)}% off. What is the sale price?")
+    for i in range(25):
+        a, b, x = 2 + i % 7, 1 + (3 * i) % 11, 1 + (5 * i) % 9
+        out.append(f"Solve for x: {a}x + {b} = {a * x + b}.")
+    for i in range(20):
+        p, n = 5 * (1 + i % 9), 40 + 20 * i
+        out.append(f"What is {p}% of {n}?")
+    for i in range(12):
+        shape, dims, what = SHAPES[i % len(SHAPES)]
+        a, b, c = 2 + i, 3 + (2 * i) % 7, 4 + i % 5
+        out.append(f"What is the {what} of a {shape} with {dims.format(a=a, b=b, c=c)}?")
+    for i, concept in enumerate(MATH_CONCEPTS):
+        out.append(["What is {c}? Give an example.", "Explain {c} with a simple example."][i % 2].format(c=concept))
+    for i in range(10):
+        a, b = 12 + 7 * i, 3 + i
+        out.append(f"Is {a * b + 1} a prime number? Explain your reasoning.")
+    return out
+
+
+def _passage(i: int) -> str:
+    p1, p2 = NAMES[i % len(NAMES)], NAMES[(i + 4) % len(NAMES)]
+    c1, c2 = CITIES[i % len(CITIES)], CITIES[(i + 3) % len(CITIES)]
+    m1, m2 = MONTHS[i % 12], MONTHS[(i + 5) % 12]
+    d1, d2 = 1 + (3 * i) % 28, 1 + (11 * i) % 28
+    co = COMPANIES[i % len(COMPANIES)]
+    return (
+        f"On {m1} {d1}, {2019 + i % 6}, {p1} moved from {c1} to {c2} to join {co}. "
+        f"A colleague, {p2}, visited the new office on {m2} {d2} and signed a contract worth "
+        f"${(i + 2) * 1250:,}."
+    )
+
+
+def _review(i: int) -> str:
+    (a1, s1), (a2, s2) = REVIEW_ASPECTS[i % len(REVIEW_ASPECTS)], REVIEW_ASPECTS[(i + 3) % len(REVIEW_ASPECTS)]
+    return f"\"I bought this phone last month. The {a1} {s1}, but the {a2} {s2}.\""
+
+
+def _meeting_notes(i: int) -> str:
+    a, b, c = NAMES[i % len(NAMES)], NAMES[(i + 2) % len(NAMES)], NAMES[(i + 7) % len(NAMES)]
+    m = MONTHS[(i + 1) % 12]
+    return (
+        f"Meeting notes: {a} will send the budget draft by {m} {3 + i % 20}. {b} asked for more test data; "
+        f"{c} agreed to collect it before the next sprint. The launch in {CITIES[(i + 1) % len(CITIES)]} "
+        f"moves to {MONTHS[(i + 4) % 12]}."
+    )
+
+
+def _receipt(i: int) -> str:
+    lines = [f"{ITEMS[(i + j) % len(ITEMS)]} x{1 + (i + 2 * j) % 4} ${(3 + (5 * i + 7 * j) % 20)}.{(25 * j) % 100:02d}"
+             for j in range(3)]
+    return f"Receipt from {COMPANIES[(i + 3) % len(COMPANIES)]}, {CITIES[(i + 5) % len(CITIES)]}:\n" + "\n".join(lines)
+
+
+def _contact_message(i: int) -> str:
+    name = NAMES[(i + 9) % len(NAMES)]
+    return (
+        f"Hi, this is {name} from {COMPANIES[(i + 1) % len(COMPANIES)]}. Call me at +1 555 01{10 + i:02d} "
+        f"or write to {name.lower()}.{i}@example.com before {MONTHS[(i + 6) % 12]} {10 + i}."
+    )
+
+
+def training_records() -> list[dict]:
+    recs: list[tuple[str, str]] = []
+    for i, topic in enumerate(CHAT_TOPICS):
+        recs += [("chat", t.format(t=topic)) for t in _cycle_pick(CHAT_TEMPLATES, i, 4)]
+    for i, act in enumerate(ADVICE_ACTIVITIES):
+        recs += [("chat", t.format(a=act)) for t in _cycle_pick(ADVICE_TEMPLATES, i, 2)]
+    for a, b in COMPARISONS:
+        recs.append(("chat", f"What are the pros and cons of {a} versus {b}?"))
+    for i, task in enumerate(CODE_TASKS):
+        for j, lang in enumerate(_cycle_pick(CODE_LANGUAGES, i, 4)):
+            recs.append(("code", CODE_TEMPLATES[(i + j) % len(CODE_TEMPLATES)].format(lang=lang, task=task)))
+    for a, b in CODE_CONCEPTS:
+        recs.append(("code", f"What is the difference between {a} and {b}?"))
+    for code in CODE_SNIPPETS:
+        recs += [("code", t.format(code=code)) for t in SNIPPET_TEMPLATES]
+    for task in SQL_TASKS:
+        recs.append(("code", f"Write a SQL query that {task}."))
+    recs += [("math", p) for p in _math_problems()]
+    for i, subject in enumerate(WRITING_SUBJECTS):
+        recs += [("writing", t.format(s=subject)) for t in _cycle_pick(WRITING_TEMPLATES, i, 3)]
+    for to, about in EMAILS:
+        recs += [("writing", t.format(to=to, about=about)) for t in EMAIL_TEMPLATES]
+    for product in PRODUCTS:
+        recs += [("writing", t.format(p=product)) for t in PRODUCT_TEMPLATES]
+    for i in range(40):
+        recs.append(("extraction", EXTRACTION_TASKS[i % len(EXTRACTION_TASKS)].format(text=_passage(i))))
+    for i in range(16):
+        recs.append(("extraction", "List the action items in these notes, with owner and deadline:\n"
+                                   + _meeting_notes(i)))
+    for i in range(16):
+        recs.append(("extraction", "Turn this receipt into JSON with the fields item, quantity and price, "
+                                   "and give the total:\n" + _receipt(i)))
+    for i in range(12):
+        recs.append(("extraction", "Extract the name, phone number, email address and deadline from this "
+                                   "message:\n" + _contact_message(i)))
+    for i in range(24):
+        recs.append(("extraction", REVIEW_TASKS[i % 2].format(r=_review(i))))
+    return _dedupe(recs)
+
+
+def heldout_records() -> list[dict]:
+    recs: list[tuple[str, str]] = []
+    for topic in HELDOUT_CHAT_TOPICS:
+        recs += [("chat", t.format(t=topic)) for t in HELDOUT_CHAT_TEMPLATES]
+    for i, task in enumerate(HELDOUT_CODE_TASKS):
+        recs.append(("code", f"Write a {HELDOUT_CODE_LANGUAGES[i % 2]} function that {task}."))
+    for subject in HELDOUT_WRITING_SUBJECTS:
+        recs += [("writing", f"Write a short poem about {subject}."),
+                 ("writing", f"Describe {subject} in vivid detail.")]
+    for i in range(6):
+        a, b = 9 + 4 * i, 6 + 3 * i
+        recs.append(("math", f"A bakery sells {a} loaves in the morning and {b} in the afternoon. "
+                             f"Each loaf costs $3. How much money does it make in a day?"))
+    for i in range(4):
+        j = 100 + i  # indices past the training passages, so names/dates/amounts combine differently
+        recs.append(("extraction", "Extract every company name and amount of money from this text:\n" + _passage(j)))
+    recs += HELDOUT_EXTRA
+    return _dedupe(recs)
+
+
+def _dedupe(recs: list[tuple[str, str]]) -> list[dict]:
+    seen: dict[str, str] = {}
+    for category, prompt in recs:
+        seen.setdefault(prompt, category)
+    return [{"category": c, "prompt": p} for p, c in seen.items()]
+
+
+def _check_reserved_topics() -> None:
+    # The held-out set is only honest if its topics never reach training, not just its strings.
+    train_text = "\n".join(r["prompt"] for r in training_records()).lower()
+    for topic in HELDOUT_CHAT_TOPICS + HELDOUT_CODE_TASKS + HELDOUT_WRITING_SUBJECTS:
+        assert topic.lower() not in train_text, f"held-out topic {topic!r} appears in training prompts"
+
+
+def render(name: str) -> str:
+    records = {"train": training_records, "heldout": heldout_records}[name]()
+    doc = {"name": name, "format_version": FORMAT_VERSION, "generator": "treecompile/data/build_prompts.py",
+           "count": len(records), "prompts": records}
+    return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+
+
+def main() -> None:
+    _check_reserved_topics()
+    for name in ("train", "heldout"):
+        path = HERE / f"prompts_{name}.json"
+        path.write_text(render(name), encoding="utf-8")
+        print(f"wrote {path} ({json.loads(path.read_text(encoding='utf-8'))['count']} prompts)")
+
+
+if __name__ == "__main__":
+    main()
