@@ -1,3 +1,13 @@
-"""FX graph passes run by the treespec backend, one pass per file, each ``(gm, ctx) -> gm``."""
+"""FX graph passes run by the treespec backend, one pass per file, each ``(gm, ctx) -> gm``.
 
-PASSES: list = []  # the explicit ordered pass list; filled as passes land
+``PASSES`` is the explicit order: rewrite each HF attention layer's SDPA call into treespec ops, prove
+nothing was left behind, then delete the dead HF mask code and recompile.
+"""
+
+from .check_attention_rewritten import check_attention_rewritten
+from .clean_up_graph import clean_up_graph
+from .rewrite_attention import rewrite_attention
+
+PASSES: list = [rewrite_attention, check_attention_rewritten, clean_up_graph]
+
+__all__ = ["PASSES", "rewrite_attention", "check_attention_rewritten", "clean_up_graph"]

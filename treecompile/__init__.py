@@ -20,6 +20,15 @@ _LAZY = {
     "TreeSpec": ("treecompile.tree_spec", "TreeSpec"),
     "tree_attention": ("treecompile.ops.tree_attention", "tree_attention"),
     "PagedKVCache": ("treecompile.kv_cache", "PagedKVCache"),
+    "LaneState": ("treecompile.draft_tree", "LaneState"),
+    "TreeSpeculator": ("treecompile.speculator", "TreeSpeculator"),
+    "GenerateOutput": ("treecompile.speculator", "GenerateOutput"),
+    "EagleDrafter": ("treecompile.drafter", "EagleDrafter"),
+    "DraftContext": ("treecompile.drafter", "DraftContext"),
+    "TargetBinding": ("treecompile.target", "TargetBinding"),
+    "TargetRunner": ("treecompile.target", "TargetRunner"),
+    "resolve_tree_support": ("treecompile.registry", "resolve_tree_support"),
+    "load_smollm2": ("treecompile.models", "load_smollm2"),
 }
 
 

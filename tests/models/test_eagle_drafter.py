@@ -1,0 +1,177 @@
+"""EagleDrafter: the EAGLE-3 layer over the paged draft cache against a dense reference, lanes against the
+per-path chain, the public checkpoint layout (safetensors and .bin), d2t scoring, and clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from treecompile.drafter import EagleDrafter, default_aux_layers
+from treecompile.target import chain_mask
+
+VOCAB = 64
+
+
+def tiny_llama(hidden=32, layers=4, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
+    return LlamaForCausalLM(config).double().eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return EagleDrafter.for_target(target, seed=5)
+
+
+def dense_reference(head, hidden, tokens, positions):
+    """The EAGLE-3 midlayer as a plain causal sequence (no cache, no custom ops), float64: [1, T, H]."""
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    emb = head.embed(tokens)
+    x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(hidden)], dim=-1)
+    B, T, _ = x.shape
+    q = attn.q_proj(x).view(B, T, attn.num_heads, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+    cos, sin = head.rotary_emb(hidden, positions)
+    cos, sin = cos[:, None], sin[:, None]
+    rot = lambda t: torch.cat([-t[..., t.shape[-1] // 2 :], t[..., : t.shape[-1] // 2]], -1)  # noqa: E731
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    groups = attn.num_heads // attn.num_kv_heads
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+    h = hidden + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def test_chain_forward_equals_dense_reference(head):
+    """Two chunks through the paged draft cache (prefix then window) equal one dense causal pass."""
+    T = 10
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, T, head.hidden_size, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, VOCAB, (1, T), generator=g)
+    positions = torch.arange(T)[None]
+    cache = head.new_cache(1, 32, page_size=4)
+    outs = []
+    with torch.no_grad():
+        for start, stop in ((0, 6), (6, T)):
+            rows = stop - start
+            outs.append(head.forward_rows(
+                cache, hidden[:, start:stop], tokens[:, start:stop], positions[:, start:stop],
+                cache.slots(positions[:, start:stop]), torch.tensor([start]), chain_mask(rows)[None], rows,
+            ))  # fmt: skip
+        ref = dense_reference(head, hidden, tokens, positions)
+    torch.testing.assert_close(torch.cat(outs, 1), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_lanes_equal_the_per_path_chain(head):
+    """K=2 lanes over 2 steps (lane window 4): each lane row equals its root-to-lane path run as a chain."""
+    P, K, steps = 5, 2, 2
+    g = torch.Generator().manual_seed(1)
+    H = head.hidden_size
+    prefix_h = torch.randn(1, P, H, generator=g, dtype=torch.float64)
+    prefix_t = torch.randint(0, VOCAB, (1, P), generator=g)
+    lane_h = torch.randn(1, steps * K, H, generator=g, dtype=torch.float64)
+    lane_t = torch.randint(0, VOCAB, (1, steps * K), generator=g)
+    parent = {0: None, 1: None, 2: 1, 3: 0}  # step-2 lanes: lane 0 under step-1 lane 1, lane 1 under lane 0
+    masks = []
+    for slot in range(steps * K):
+        bits, j = 0, slot
+        while j is not None:
+            bits |= 1 << j
+            j = parent[j]
+        masks.append(bits)
+    cache = head.new_cache(1, 32, page_size=4)
+    with torch.no_grad():
+        head.forward_rows(cache, prefix_h, prefix_t, torch.arange(P)[None], cache.slots(torch.arange(P)[None]),
+                          torch.tensor([0]), chain_mask(P)[None], P)  # fmt: skip
+        lane_out = []
+        for s in range(steps):
+            cols = slice(s * K, (s + 1) * K)
+            lane_out.append(head.forward_rows(
+                cache, lane_h[:, cols], lane_t[:, cols], torch.full((1, K), P + s),
+                cache.slots(P + torch.arange(s * K, (s + 1) * K)[None]), torch.tensor([P]),
+                torch.tensor([masks[s * K : (s + 1) * K]]), steps * K,
+            ))  # fmt: skip
+        lane_out = torch.cat(lane_out, 1)
+        for slot in range(steps * K):
+            path, j = [], slot
+            while j is not None:
+                path.append(j)
+                j = parent[j]
+            path = path[::-1]
+            ref = dense_reference(
+                head, torch.cat([prefix_h, lane_h[:, path]], 1), torch.cat([prefix_t, lane_t[:, path]], 1),
+                torch.arange(P + len(path))[None],
+            )  # fmt: skip
+            torch.testing.assert_close(lane_out[0, slot], ref[0, -1], rtol=1e-10, atol=1e-10)
+
+
+def _save(head, path, fmt="safetensors", drop=None, config_extra=None):
+    path.mkdir(parents=True, exist_ok=True)
+    config = head.config.to_dict()
+    config.update(config_extra or {})
+    (path / "config.json").write_text(json.dumps(config))
+    state = {k: v.contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary_emb")}
+    if drop:
+        state.pop(drop)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(path / "model.safetensors"))
+    else:
+        torch.save(state, path / "pytorch_model.bin")
+    return sorted(state)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_from_pretrained_loads_the_public_layout(tmp_path, target, head, fmt):
+    names = _save(head, tmp_path / fmt, fmt)
+    assert {n.split(".")[0] for n in names} == {"fc", "midlayer", "norm", "lm_head", "d2t", "t2d"}
+    loaded = EagleDrafter.from_pretrained(tmp_path / fmt, target)
+    assert loaded.aux_layers == head.aux_layers == default_aux_layers(4)
+    x = torch.randn(2, 3, head.hidden_size, dtype=torch.float64)
+    torch.testing.assert_close(loaded.logits(x), head.logits(x))
+    torch.testing.assert_close(loaded.project(torch.ones(1, 3 * 32, dtype=torch.float64)),
+                               head.project(torch.ones(1, 3 * 32, dtype=torch.float64)))  # fmt: skip
+
+
+def test_from_pretrained_refuses_a_head_for_another_hidden_size(tmp_path):
+    other = tiny_llama(hidden=48)
+    _save(EagleDrafter.for_target(other), tmp_path / "h48")
+    with pytest.raises(ValueError, match="hidden size"):
+        EagleDrafter.from_pretrained(tmp_path / "h48", tiny_llama(hidden=32))
+
+
+def test_from_pretrained_reports_missing_weights(tmp_path, target, head):
+    _save(head, tmp_path / "partial", drop="midlayer.hidden_norm.weight")
+    with pytest.raises(ValueError, match="missing weights .*midlayer.hidden_norm.weight"):
+        EagleDrafter.from_pretrained(tmp_path / "partial", target)
+    with pytest.raises(ValueError, match="no config.json"):
+        EagleDrafter.from_pretrained(tmp_path / "nowhere", target)
+
+
+def test_score_candidates_maps_draft_ids_through_d2t(target):
+    """target_id = draft_id + d2t[draft_id]; log-probs are over the draft vocabulary."""
+    head = EagleDrafter.for_target(target, draft_vocab_size=16)
+    head.d2t.copy_(torch.arange(16) * 2)  # draft id i -> target id 3i
+    logits = torch.full((2, 16), -5.0, dtype=torch.float64)
+    logits[0, 3], logits[0, 7] = 4.0, 3.0
+    logits[1, 15] = 9.0
+    logp, tokens = head.score_candidates(logits, 2)
+    assert tokens[0].tolist() == [9, 21] and tokens[1, 0].item() == 45
+    torch.testing.assert_close(logp.exp().sum(-1) <= 1, torch.tensor([True, True]))
+    torch.testing.assert_close(logp[0, 0], torch.log_softmax(logits[0], -1)[3])
+
+
+def test_default_aux_layers_follow_eagle3_and_clamp_for_tiny_targets():
+    assert default_aux_layers(32) == (2, 16, 29)
+    assert default_aux_layers(2) == (1, 1, 1)
+    assert default_aux_layers(4) == (2, 2, 1)

@@ -1,0 +1,189 @@
+"""TreeSpeculator: bad input is refused before any work; state never leaks between requests; edge cases
+(length-1 and chunked prompts, 1-D input) stay equal to HF greedy; no silent eager fallback."""
+
+import pytest
+import torch
+
+from treecompile.drafter import EagleDrafter
+from treecompile.speculator import TreeSpeculator
+
+VOCAB = 80
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny float64 matmuls: intra-op threads only add spin-wait contention on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_llama(seed=0, hidden=32, dtype=torch.float64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)  # fmt: skip
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def spec(llama):
+    """K=2, S=3, N=6; prefill in chunks of N rows (one compiled graph per batch size)."""
+    return TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                          max_batch_size=2, max_seq_len=48, page_size=8)  # fmt: skip
+
+
+def hf_greedy(model, ids, mask=None, max_new_tokens=8, eos=None):
+    mask = torch.ones_like(ids) if mask is None else mask
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=eos, pad_token_id=0)  # fmt: skip
+
+
+# ---- bad input: clear errors before any device work -------------------------------------------------------
+
+
+def test_prompt_longer_than_the_cache_is_refused(spec):
+    with pytest.raises(ValueError, match="exceeds the cache capacity max_seq_len=48"):
+        spec.generate(torch.ones(1, 40, dtype=torch.int64), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("case", ["no-columns", "all-masked-row"])
+def test_empty_prompt_is_refused(spec, case):
+    if case == "no-columns":
+        ids, mask = torch.zeros(1, 0, dtype=torch.int64), None
+    else:
+        ids, mask = torch.ones(2, 3, dtype=torch.int64), torch.tensor([[1, 1, 1], [0, 0, 0]])
+    with pytest.raises(ValueError, match="empty prompt"):
+        spec.generate(ids, attention_mask=mask, max_new_tokens=4)
+
+
+def test_right_padding_is_refused(spec):
+    with pytest.raises(ValueError, match="left padding"):
+        spec.generate(torch.ones(1, 3, dtype=torch.int64), attention_mask=torch.tensor([[1, 1, 0]]))
+
+
+@pytest.mark.parametrize("eos", ["two", [3, "x"], 1.5, [VOCAB]], ids=["str", "list-with-str", "float", "out-of-vocab"])
+def test_bad_eos_token_id_is_refused(spec, eos):
+    with pytest.raises(ValueError, match="eos_token_id"):
+        spec.generate(torch.ones(1, 3, dtype=torch.int64), eos_token_id=eos)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"max_new_tokens": 0}, "max_new_tokens"), ({"input_ids": torch.ones(3, 2, dtype=torch.int64)}, "max_batch_size 2"),
+     ({"input_ids": torch.full((1, 2), VOCAB)}, r"token ids must be in \[0, 80\)"),
+     ({"input_ids": torch.ones(1, 2)}, "expected int64")],
+    ids=["max-new-0", "batch-over-max", "token-out-of-vocab", "float-ids"],
+)  # fmt: skip
+def test_other_bad_arguments_are_refused(spec, kwargs, match):
+    args = {"input_ids": torch.ones(1, 2, dtype=torch.int64), "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        spec.generate(**args)
+
+
+def test_unsupported_dtype_is_refused():
+    model = tiny_llama(dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype torch.float16 on cpu is not supported"):
+        TreeSpeculator(model, EagleDrafter.for_target(model), topk=2, steps=2, num_nodes=4, max_seq_len=32)
+
+
+def test_drafter_hidden_size_mismatch_is_refused(llama):
+    other = tiny_llama(hidden=48)
+    with pytest.raises(ValueError, match="target hidden size 48, but the model's hidden size is 32"):
+        TreeSpeculator(llama, EagleDrafter.for_target(other), topk=2, steps=2, num_nodes=4, max_seq_len=32)
+
+
+def test_drafter_on_another_dtype_is_refused(llama):
+    drafter = EagleDrafter.for_target(llama).float()
+    with pytest.raises(ValueError, match="drafter: is torch.float32"):
+        TreeSpeculator(llama, drafter, topk=2, steps=2, num_nodes=4, max_seq_len=32)
+
+
+@pytest.mark.parametrize("topk,steps,num_nodes", [(4, 5, 8), (2, 2, 65), (0, 3, 4)], ids=["lanes>N", "N65", "K0"])
+def test_inconsistent_tree_shape_is_refused(llama, topk, steps, num_nodes):
+    with pytest.raises(ValueError):
+        TreeSpeculator(llama, EagleDrafter.for_target(llama), topk=topk, steps=steps, num_nodes=num_nodes, max_seq_len=32)
+
+
+def test_training_mode_is_refused():
+    model = tiny_llama().train()
+    with pytest.raises(ValueError, match="training mode"):
+        TreeSpeculator(model, EagleDrafter.for_target(model), topk=2, steps=2, num_nodes=4, max_seq_len=32)
+
+
+# ---- behaviour ---------------------------------------------------------------------------------------------
+
+
+def test_nothing_leaks_between_requests(spec):
+    """The same request before and after an unrelated (longer, EOS-stopped) one gives identical output."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (2, 7), generator=g)
+    first = spec.generate(ids, max_new_tokens=10)
+    other = torch.randint(1, VOCAB, (2, 20), generator=g)
+    spec.generate(other, max_new_tokens=12, eos_token_id=[int(other[0, 3]), int(other[1, 5])])
+    again = spec.generate(ids, max_new_tokens=10)
+    assert torch.equal(first.sequences, again.sequences)
+    assert torch.equal(first.accept_lengths, again.accept_lengths)
+    assert torch.equal(first.sequences, hf_greedy(spec.model, ids, max_new_tokens=10))
+
+
+def test_length_one_and_chunked_prompts_match_hf(spec):
+    """A 1-token prompt (no draft pairs to prefill) next to a 17-token one (three prefill chunks of N=6)."""
+    ids = torch.zeros(2, 17, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    ids[0, -1], mask[0, -1] = 42, 1
+    ids[1] = torch.randint(1, VOCAB, (17,), generator=torch.Generator().manual_seed(1))
+    mask[1] = 1
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=9)
+    assert torch.equal(out.sequences, hf_greedy(spec.model, ids, mask, max_new_tokens=9))
+    assert out.sequences.shape == (2, 17 + 9)  # max_new_tokens exactly, HF's left padding kept
+
+
+def test_one_dimensional_prompt_and_max_new_tokens_one(spec):
+    ids = torch.tensor([5, 6, 7])
+    out = spec.generate(ids, max_new_tokens=1)
+    assert out.sequences.shape == (1, 4) and out.accept_lengths.shape == (0, 1)
+    assert torch.equal(out.sequences, hf_greedy(spec.model, ids[None], max_new_tokens=1))
+
+
+def test_eos_from_the_generation_config_when_none_is_given(llama):
+    """``eos_token_id=None`` falls back to ``model.generation_config.eos_token_id`` as HF does."""
+    spec = TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                          max_batch_size=2, max_seq_len=48, page_size=8)  # fmt: skip
+    ids = torch.tensor([[9, 8, 7, 6]])
+    free = hf_greedy(llama, ids, max_new_tokens=8)
+    eos = int(free[0, 4 + 3])
+    llama.generation_config.eos_token_id = eos
+    try:
+        out = spec.generate(ids, max_new_tokens=8, eos_token_id=None)
+        ref = hf_greedy(llama, ids, max_new_tokens=8, eos=eos)
+    finally:
+        llama.generation_config.eos_token_id = None
+    assert torch.equal(out.sequences, ref) and out.sequences.shape[1] <= 4 + 4
+
+
+def test_no_silent_fallback_to_untouched_attention(spec):
+    """If Dynamo ran the model eagerly (here: forced), HF's own attention would ignore the tree caches."""
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.raises(RuntimeError, match="did not run the rewritten graph"):
+            spec.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+
+
+def test_one_node_tree_is_plain_decoding(llama):
+    """topk=1, num_nodes=1: every round verifies the root alone — treecompile's non-speculative decode."""
+    plain = TreeSpeculator(llama, EagleDrafter.for_target(llama), topk=1, steps=1, num_nodes=1, max_batch_size=2,
+                           max_seq_len=48, page_size=8, prefill_chunk=4)  # fmt: skip
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    out = plain.generate(ids, max_new_tokens=6)
+    assert out.accept_lengths.tolist() == [[1, 1]] * 5
+    assert torch.equal(out.sequences, hf_greedy(llama, ids, max_new_tokens=6))

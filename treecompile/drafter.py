@@ -1,0 +1,353 @@
+"""EagleDrafter: an EAGLE-3 draft head that drafts chains and tree lanes over its own paged cache.
+
+Architecture (EAGLE-3, the public checkpoint layout)
+----------------------------------------------------
+- ``fc``: ``Linear(3 * H_target, H)`` fuses the target's low / mid / high hidden states (HF
+  ``hidden_states`` indices ``aux_layers``; EAGLE's default ``(2, L // 2, L - 3)``).
+- ``midlayer``: one decoder layer whose attention input is ``[input_layernorm(embed(token)) ;
+  hidden_norm(hidden)]`` (2H wide); the residual is the hidden input. Its attention writes and reads the
+  draft cache through ``treespec::kv_write`` / ``treespec::tree_attention_paged`` (our own module, no FX).
+- ``norm`` + ``lm_head`` over a draft vocabulary; ``d2t`` maps draft ids to target ids
+  (``target_id = draft_id + d2t[draft_id]``), ``t2d`` marks target ids in the draft vocabulary.
+- The token embedding is the target's (EAGLE-3 checkpoints do not ship one) unless the checkpoint has
+  ``embed_tokens.weight``.
+
+Pairs and positions: draft position p holds the pair (target hidden at p, token at p + 1); its output
+predicts the token at p + 2. Step 0 is the chain forward over the pairs the last verify accepted; the last
+one sits at ``vc - 1`` and scores the depth-1 candidates. Lane step s (1 .. S-1) runs K rows at position
+``vc - 1 + s``, writing draft slot ``vc + (s-1) * K + r``, over the cascade with R = K rows, the prefix
+``[0, vc)`` and the ``(S-1) * K``-key lane window (each row sees its ancestors only).
+
+:meth:`score_candidates` is the one place the drafter decides how to score (log-probs of the top-k over
+the draft vocabulary, mapped to target ids); the tree machinery does not care who scored.
+
+Shapes: B requests, T chain rows, K lanes, H hidden, Vd draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import torch
+from torch import nn
+
+from treecompile.kv_cache import PagedKVCache
+from treecompile.registry import Support, TreeSupport
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EagleDrafter", "DraftContext", "default_aux_layers"]
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high taps as HF ``hidden_states`` indices (input of layers 2, L//2, L-3), clamped
+    to real layer outputs for tiny models (index L would be the final-normed state)."""
+    taps = (2, num_layers // 2, num_layers - 3)
+    return tuple(min(max(t, 1), num_layers - 1) if num_layers > 1 else 0 for t in taps)
+
+
+@dataclasses.dataclass
+class DraftContext:
+    """What a round knows that a scoring hook might want (the EAGLE head reads none of it; a test oracle
+    that scores with the target reads the token history).
+
+    history : int64 [B, capacity]  committed tokens; ``history[b, vc[b]]`` is the root (current token)
+    vc : int64 [B]                 committed target length (the root's position)
+    lane_tokens : int64 [B, (S-1)*K]  tokens of the lanes run so far this round, at their lane slots
+    step : int                     the draft step being scored (0 for the chain step)
+    """
+
+    history: torch.Tensor
+    vc: torch.Tensor
+    lane_tokens: torch.Tensor
+    step: int = 0
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class EagleAttention(nn.Module):
+    """The midlayer's attention: 2H-wide input, GQA, RoPE, paged tree attention over the draft cache."""
+
+    treespec_attention = True  # treecompile's own layer: the registry does not treat it as unrecognised
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.sliding_window = getattr(config, "sliding_window", None)
+        width = 2 * config.hidden_size
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache, slots, prefix_len, ancestor_mask, window):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.write(0, k, v, slots)
+        out = cache.attention(0, q.contiguous(), ancestor_mask, window, self.scaling, prefix_len)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class EagleDecoderLayer(nn.Module):
+    """EAGLE-3's midlayer: attention over [embedding ; hidden], residual on the hidden input, then MLP."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = EagleAttention(config)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, embeds, hidden, cos, sin, cache, slots, prefix_len, ancestor_mask, window):
+        residual = hidden
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        hidden = residual + self.self_attn(x, cos, sin, cache, slots, prefix_len, ancestor_mask, window)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class EagleDrafter(nn.Module):
+    """EAGLE-3 draft head (see the module docstring).
+
+    Parameters
+    ----------
+    config : a ``LlamaConfig`` of the head (hidden_size, heads, head_dim, intermediate_size, rms_norm_eps,
+        rope parameters, ``draft_vocab_size``, ``vocab_size`` = the target's vocabulary).
+    target_hidden_size : H_target, the width of each fused target hidden state.
+    aux_layers : the three HF ``hidden_states`` indices of the target that ``fc`` fuses.
+    embed_tokens : the target's token embedding (shared, not owned) when the head has none of its own.
+    """
+
+    def __init__(
+        self,
+        config,
+        target_hidden_size: int,
+        aux_layers: tuple[int, ...],
+        embed_tokens: nn.Embedding | None = None,
+        own_embedding: bool = False,
+    ) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
+        self.config = config
+        self.hidden_size = config.hidden_size
+        self.target_hidden_size = target_hidden_size
+        self.aux_layers = tuple(int(i) for i in aux_layers)
+        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or config.vocab_size)
+        self.fc = nn.Linear(len(self.aux_layers) * target_hidden_size, config.hidden_size, bias=False)
+        self.midlayer = EagleDecoderLayer(config)
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, self.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        if own_embedding:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            if embed_tokens is None:
+                raise ValueError("embed_tokens: a head without its own embedding needs the target's")
+            if embed_tokens.embedding_dim != config.hidden_size:
+                raise ValueError(
+                    f"drafter hidden size {config.hidden_size} does not match the target's embedding width "
+                    f"{embed_tokens.embedding_dim}: an EAGLE-3 head shares the target's token embedding"
+                )
+            object.__setattr__(self, "_target_embed", embed_tokens)  # shared, so not a registered child
+
+    # -- construction ------------------------------------------------------------------------------------
+
+    @classmethod
+    def for_target(
+        cls,
+        model: nn.Module,
+        seed: int = 0,
+        draft_vocab_size: int | None = None,
+        aux_layers: tuple[int, ...] | None = None,
+    ) -> "EagleDrafter":
+        """A randomly initialised head sized for ``model`` (tests, and the start of training).
+
+        The draft vocabulary is the target's first ``draft_vocab_size`` ids (all of them by default).
+        """
+        from transformers import LlamaConfig
+
+        tcfg = model.config
+        vocab = tcfg.vocab_size
+        draft_vocab_size = vocab if draft_vocab_size is None else int(draft_vocab_size)
+        if not 1 <= draft_vocab_size <= vocab:
+            raise ValueError(f"draft_vocab_size: must be in 1..{vocab} (the target's vocabulary), got {draft_vocab_size}")
+        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+        config = LlamaConfig(
+            vocab_size=vocab, hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+            num_hidden_layers=1, num_attention_heads=tcfg.num_attention_heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", tcfg.num_attention_heads), head_dim=head_dim,
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6), hidden_act=getattr(tcfg, "hidden_act", "silu"),
+            max_position_embeddings=getattr(tcfg, "max_position_embeddings", 4096),
+            rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
+            draft_vocab_size=draft_vocab_size,
+        )  # fmt: skip
+        layers = aux_layers or default_aux_layers(tcfg.num_hidden_layers)
+        param = next(model.parameters())
+        generator = torch.Generator().manual_seed(seed)
+        head = cls(config, tcfg.hidden_size, layers, embed_tokens=model.get_input_embeddings())
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    continue  # RMSNorm weights stay 1
+                p.copy_(torch.randn(p.shape, generator=generator) * (p.shape[-1] ** -0.5))
+            head.t2d[:draft_vocab_size] = True
+        return head.to(device=param.device, dtype=param.dtype)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        target: nn.Module,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> "EagleDrafter":
+        """Load a public EAGLE-3 checkpoint directory (``config.json`` + ``model.safetensors`` or
+        ``pytorch_model.bin`` with ``midlayer.*``, ``fc.*``, ``norm.*``, ``lm_head.*``, ``d2t``, ``t2d``)."""
+        from transformers import LlamaConfig
+
+        path = os.fspath(path)
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"path: {path!r} has no config.json (expected an EAGLE-3 checkpoint directory)")
+        with open(config_path) as f:
+            raw = json.load(f)
+        raw.pop("architectures", None)
+        config = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+        state = _load_state_dict(path)
+        tcfg = target.config
+        target_hidden = int(raw.get("target_hidden_size") or tcfg.hidden_size)
+        if target_hidden != tcfg.hidden_size:
+            raise ValueError(
+                f"drafter target_hidden_size {target_hidden} does not match the target's hidden size "
+                f"{tcfg.hidden_size}"
+            )
+        eagle = raw.get("eagle_config") or {}
+        if eagle.get("eagle_aux_hidden_state_layer_ids"):  # layer outputs -> hidden_states indices
+            aux = tuple(int(i) + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"])
+        else:
+            aux = default_aux_layers(tcfg.num_hidden_layers)
+        fc = state.get("fc.weight")
+        if fc is not None and fc.shape[1] != len(aux) * tcfg.hidden_size:
+            raise ValueError(
+                f"drafter fc.weight takes {fc.shape[1]} features but the target's {len(aux)} fused hidden "
+                f"states are {len(aux)} x {tcfg.hidden_size} = {len(aux) * tcfg.hidden_size}: hidden size mismatch"
+            )
+        if config.vocab_size != tcfg.vocab_size:
+            raise ValueError(f"drafter vocab_size {config.vocab_size} does not match the target's {tcfg.vocab_size}")
+        own = "embed_tokens.weight" in state
+        head = cls(config, tcfg.hidden_size, aux, embed_tokens=None if own else target.get_input_embeddings(),
+                   own_embedding=own)  # fmt: skip
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("rotary_emb.")]
+        if missing or unexpected:
+            raise ValueError(f"EAGLE-3 checkpoint {path!r}: missing weights {missing}, unexpected weights {unexpected}")
+        param = next(target.parameters())
+        return head.to(device=device or param.device, dtype=dtype or param.dtype)
+
+    # -- capability ----------------------------------------------------------------------------------------
+
+    def tree_layers(self):
+        """This head's layers with their tree support (lanes only: a drafter is never verified)."""
+        attn = self.midlayer.self_attn
+        lanes = Support.yes()
+        if attn.sliding_window is not None:
+            lanes = Support.no(f"sliding window {attn.sliding_window} in a draft layer (frozen-window lanes are not implemented)")
+        return [("layer 0 (midlayer.self_attn, EagleAttention)", TreeSupport(Support.no("draft layers are not verified"), lanes))]
+
+    # -- pieces --------------------------------------------------------------------------------------------
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.embed_tokens if "embed_tokens" in self._modules else self._target_embed
+
+    def new_cache(self, max_batch: int, max_seq_len: int, page_size: int = 64, device=None) -> PagedKVCache:
+        """A draft cache for this head (one layer)."""
+        attn = self.midlayer.self_attn
+        param = self.lm_head.weight
+        return PagedKVCache(
+            1, attn.num_kv_heads, attn.head_dim, max_batch, max_seq_len, page_size=page_size,
+            dtype=param.dtype, device=device or param.device,
+        )  # fmt: skip
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """``[.., len(aux_layers) * H_target] -> [.., H]``: fuse the target's hidden states."""
+        return self.fc(features)
+
+    def forward_rows(self, cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window):
+        """One midlayer forward over rows: ``hidden [B, T, H]`` (fused target states or the head's own
+        previous output), ``tokens/positions/slots [B, T]``, ``prefix_len [B]``, ``ancestor_mask [B, T]``
+        -> ``[B, T, H]`` (pre-norm output, fed back as the next step's hidden)."""
+        embeds = self.embed(tokens).to(hidden.dtype)
+        cos, sin = self.rotary_emb(hidden, positions)
+        return self.midlayer(embeds, hidden, cos, sin, cache, slots, prefix_len, ancestor_mask, window)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[.., H] -> [.., Vd]`` draft-vocabulary logits."""
+        return self.lm_head(self.norm(hidden))
+
+    def score_candidates(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one scoring method: ``logits [.., Vd] -> (logp [.., k], target token ids [.., k])``, the
+        log-probs of the top-k over the draft vocabulary (float32 at least), best first."""
+        work = torch.promote_types(logits.dtype, torch.float32)
+        logp = torch.log_softmax(logits.to(work), dim=-1)
+        top = torch.topk(logp, k, dim=-1)
+        return top.values, top.indices + self.d2t[top.indices]
+
+    # -- the hooks a round calls (a scoring oracle may override them) -----------------------------------
+
+    def draft_step0(self, cache, features, tokens, positions, slots, prefix_len, ancestor_mask, last_row, context):
+        """Step 0, the chain forward over the pending pairs: ``features [B, T, 3H]`` -> the last valid row's
+        ``(hidden [B, H], logits [B, Vd])``; ``last_row [B]`` indexes it."""
+        T = tokens.shape[1]
+        hidden = self.forward_rows(cache, self.project(features), tokens, positions, slots, prefix_len, ancestor_mask, T)
+        idx = last_row.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
+        last = hidden.gather(1, idx).squeeze(1)
+        return last, self.logits(last)
+
+    def draft_lanes(self, cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window, context):
+        """One lane step: ``hidden/tokens [B, K, ..]`` -> ``(hidden [B, K, H], logits [B, K, Vd])``."""
+        out = self.forward_rows(cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window)
+        return out, self.logits(out)
+
+    def draft_prefill(self, cache, features, tokens, positions, slots, prefix_len, ancestor_mask) -> None:
+        """Write the draft cache for a chunk of prompt pairs (outputs unused)."""
+        T = tokens.shape[1]
+        self.forward_rows(cache, self.project(features), tokens, positions, slots, prefix_len, ancestor_mask, T)
+
+
+def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    names = sorted(os.listdir(path))
+    tensors = [n for n in names if n.endswith(".safetensors")]
+    if tensors:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for name in tensors:
+            state.update(load_file(os.path.join(path, name)))
+        return state
+    bins = [n for n in names if n.endswith(".bin") and n.startswith("pytorch_model")]
+    if bins:
+        state = {}
+        for name in bins:
+            state.update(torch.load(os.path.join(path, name), map_location="cpu", weights_only=True))
+        return state
+    raise ValueError(f"path: {path!r} holds no model.safetensors or pytorch_model.bin")

@@ -1,0 +1,552 @@
+"""TreeSpeculator: greedy draft-tree speculative decoding of an HF causal LM, lossless.
+
+``TreeSpeculator(model, drafter, topk=4, steps=5, num_nodes=32).generate(input_ids, attention_mask=None,
+max_new_tokens=..., eos_token_id=...)`` returns :class:`GenerateOutput` with ``sequences``
+``[B, prompt + new]`` (HF layout: left padding kept, finished rows padded) and ``accept_lengths``
+``int64 [rounds, B]`` (tokens each round emitted per request, bonus included; 0 once a request finished).
+The tokens equal HF ``model.generate(do_sample=False)`` token for token.
+
+One round (DESIGN.md, "Data flow of one round"), for B requests of committed length ``vc`` whose current
+token (the root) sits at position ``vc``:
+
+1. **Draft step 0** (the chain's): the drafter runs the pairs the last verify accepted (target hidden at
+   p, token at p + 1; at most ``P = max depth + 1`` rows, padded rows write the dummy slot) and scores the
+   root's children.
+2. **Lanes** (steps 1..S-1): K rows per request at position ``vc - 1 + s`` over the draft cache's
+   ``(S-1)K``-key lane window; ``DraftTree`` records and ranks. ``topk == 1`` runs the chain path: one lane
+   per step, no DraftTree, no tree state (TreeSpec stays the chain).
+3. **Verify**: ``DraftTree.select`` -> ``TreeSpec.set_tree``; one target forward over N nodes at positions
+   ``vc + depth`` (``TreeSpec.load_step``), KV slots ``vc + i``; greedy walk (``verify_tree_greedy``).
+4. **Compact**: ``compact_window_rows`` over every attention layer's K/V, ``TreeSpec.compact_rows`` over the
+   target hidden rows (the next step-0 features); then commit ``vc += accept_len``, the bonus becomes the root.
+
+Prefill runs the prompt as chains of ``prefill_chunk`` rows through the same rewritten graph (padded rows
+write the dummy slot) and fills the draft cache with every prompt pair but the last, which step 0 of the
+first round takes. Requests that finished (EOS or max_new_tokens) stop committing; their rows keep
+replaying the same round harmlessly until the batch is done.
+
+Graph safety: every tensor a round reads or writes is allocated once per ``generate`` call (per batch) and
+updated in place; rounds contain no host syncs. The loop reads one flag per round (is any request still
+running?). With ``cuda_graphs=True`` (CUDA only) the draft round and the verify round are each captured
+once per batch size after an eager warm-up round and replayed; both are idempotent over the committed
+state (they only overwrite scratch rows past ``vc``), so warm-up and capture cannot corrupt a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Sequence
+
+import torch
+
+from treecompile.draft_tree import DraftTree, LaneState
+from treecompile.drafter import DraftContext
+from treecompile.ops._common import MAX_NODES
+from treecompile.registry import resolve_tree_support
+from treecompile.target import TargetBinding, TargetRunner, chain_mask
+from treecompile.tree_spec import TreeSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TreeSpeculator", "GenerateOutput"]
+
+_SUPPORTED_DTYPES = {
+    "cpu": (torch.float64, torch.float32, torch.bfloat16),
+    "cuda": (torch.bfloat16, torch.float16, torch.float32),
+}
+_UNSET = object()
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """sequences: int64 [B, prompt_width + new]; accept_lengths: int64 [rounds, B] (bonus included)."""
+
+    sequences: torch.Tensor
+    accept_lengths: torch.Tensor
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+class TreeSpeculator:
+    """Greedy tree speculation over an HF causal LM and an EAGLE-style drafter.
+
+    Parameters
+    ----------
+    model : HF causal LM (Llama, Qwen2, Qwen3, Mistral; SDPA attention), in eval mode.
+    drafter : an :class:`~treecompile.drafter.EagleDrafter` (or anything with its round hooks).
+    topk, steps, num_nodes : K candidates per step, S draft steps (step 0 included), N verify nodes.
+        ``topk == 1`` is the chain: ``num_nodes`` becomes ``min(num_nodes, steps + 1)`` and
+        ``steps = num_nodes - 1``.
+    max_batch_size : requests per generate call.
+    max_seq_len : keys per request the caches hold; prompt + max_new_tokens + num_nodes must fit.
+        Default ``min(max_position_embeddings, 4096)``.
+    page_size : KV cache page size.
+    prefill_chunk : prompt rows per prefill forward (<= 64); default ``num_nodes`` so prefill and verify
+        share one compiled graph.
+    inductor : compile the rewritten target with Inductor (default: on CUDA only).
+    cuda_graphs : capture and replay the draft and verify rounds (default: on CUDA).
+    do_sample : only greedy is supported; True is refused at startup by capability resolution.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        drafter,
+        topk: int = 4,
+        steps: int = 5,
+        num_nodes: int = 32,
+        *,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        page_size: int = 64,
+        prefill_chunk: int | None = None,
+        inductor: bool | None = None,
+        cuda_graphs: bool | None = None,
+        do_sample: bool = False,
+    ) -> None:
+        topk = _positive_int("topk", topk)
+        steps = _positive_int("steps", steps)
+        num_nodes = _positive_int("num_nodes", num_nodes)
+        max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        if num_nodes > MAX_NODES:
+            raise ValueError(f"num_nodes: the tree must have 1..{MAX_NODES} nodes, got {num_nodes}")
+        if topk == 1:  # the chain: N - 1 drafted tokens, one per step
+            chain_nodes = min(num_nodes, steps + 1)
+            chain_steps = max(chain_nodes - 1, 1)
+            if (chain_nodes, chain_steps) != (num_nodes, steps):
+                logger.info("topk=1 runs the chain: num_nodes %d -> %d, steps %d -> %d",
+                            num_nodes, chain_nodes, steps, chain_steps)  # fmt: skip
+            num_nodes, steps = chain_nodes, chain_steps
+            self.tree = None
+        else:
+            self.tree = DraftTree(topk, steps, num_nodes)  # validates (S-1)K <= N and N-1 <= candidates
+        self.topk, self.steps, self.num_nodes = topk, steps, num_nodes
+        self.lane_window = (steps - 1) * topk
+        self.pending_rows = min(steps, num_nodes - 1) + 1  # the deepest accept: max depth + root
+        prefill_chunk = num_nodes if prefill_chunk is None else _positive_int("prefill_chunk", prefill_chunk)
+        if prefill_chunk > MAX_NODES:
+            raise ValueError(f"prefill_chunk: at most {MAX_NODES} rows per forward, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        allowed = _SUPPORTED_DTYPES.get(self.device.type, ())
+        if self.dtype not in allowed:
+            raise ValueError(f"model: dtype {self.dtype} on {self.device.type} is not supported (supported: {allowed})")
+        if model.training:
+            raise ValueError("model: is in training mode; call model.eval() (attention dropout would change outputs)")
+        self._check_drafter(model, drafter)
+        config = model.config
+        if max_seq_len is None:
+            max_seq_len = min(int(getattr(config, "max_position_embeddings", 4096) or 4096), 4096)
+        self.max_seq_len = _positive_int("max_seq_len", max_seq_len)
+        self.max_batch_size = max_batch_size
+
+        resolved = resolve_tree_support(
+            model, drafter, do_sample=do_sample, max_seq_len=self.max_seq_len, device=self.device, dtype=self.dtype
+        )
+        self.model, self.drafter = model, drafter
+        self.vocab_size = int(config.vocab_size)
+        self.binding = TargetBinding(
+            model, max_batch_size, self.max_seq_len, max_rows=MAX_NODES, page_size=page_size,
+            layers=resolved.target_layers,
+        )  # fmt: skip
+        self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
+        self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs: needs the model on a CUDA device")
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict[int, tuple] = {}
+        self._buffers: dict[int, dict] = {}
+        self._state: dict | None = None
+
+    def __repr__(self) -> str:
+        return (f"TreeSpeculator(topk={self.topk}, steps={self.steps}, num_nodes={self.num_nodes}, "
+                f"max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len})")  # fmt: skip
+
+    @staticmethod
+    def _check_drafter(model, drafter) -> None:
+        hidden = model.config.hidden_size
+        target_hidden = getattr(drafter, "target_hidden_size", None)
+        if target_hidden is not None and target_hidden != hidden:
+            raise ValueError(
+                f"drafter: built for target hidden size {target_hidden}, but the model's hidden size is {hidden}"
+            )
+        embed = getattr(drafter, "embed", None)
+        if embed is not None and getattr(drafter, "hidden_size", hidden) != embed.embedding_dim:
+            raise ValueError(
+                f"drafter: hidden size {drafter.hidden_size} does not match its token embedding width "
+                f"{embed.embedding_dim}"
+            )
+        for name in ("aux_layers", "draft_step0", "draft_lanes", "draft_prefill", "score_candidates", "new_cache"):
+            if not hasattr(drafter, name):
+                raise ValueError(f"drafter: {type(drafter).__name__} lacks {name!r} (see EagleDrafter)")
+        layers = model.config.num_hidden_layers
+        bad = [i for i in drafter.aux_layers if not 0 <= i < layers]
+        if bad:
+            raise ValueError(f"drafter: aux_layers {bad} are not hidden-state indices 0..{layers - 1} of the target")
+        drafter_param = next(drafter.parameters(), None)
+        target_param = next(model.parameters())
+        if drafter_param is not None and (drafter_param.dtype, drafter_param.device) != (target_param.dtype, target_param.device):
+            raise ValueError(
+                f"drafter: is {drafter_param.dtype} on {drafter_param.device}, the model {target_param.dtype} on "
+                f"{target_param.device}; move it with .to()"
+            )
+
+    # ---------------------------------------------------------------------------------------------------
+    # Input validation (host side, before any device work)
+    # ---------------------------------------------------------------------------------------------------
+
+    def _prompts(self, input_ids, attention_mask) -> tuple[torch.Tensor, list[int], list[list[int]]]:
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"input_ids: expected a tensor, got {type(input_ids).__name__}")
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+            attention_mask = attention_mask.unsqueeze(0) if isinstance(attention_mask, torch.Tensor) else attention_mask
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids: expected int64 [B, L], got {input_ids.dtype} {tuple(input_ids.shape)}")
+        B, width = input_ids.shape
+        if B < 1 or width < 1:
+            raise ValueError(f"input_ids: empty prompt (shape {tuple(input_ids.shape)})")
+        if B > self.max_batch_size:
+            raise ValueError(f"input_ids: batch {B} exceeds max_batch_size {self.max_batch_size}")
+        ids = input_ids.detach().to("cpu", torch.int64)
+        if attention_mask is None:
+            mask = torch.ones_like(ids)
+        else:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask: expected a tensor of shape {tuple(input_ids.shape)}, got "
+                    f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
+                )
+            mask = attention_mask.detach().to("cpu", torch.int64)
+            if bool(((mask != 0) & (mask != 1)).any()):
+                raise ValueError("attention_mask: values must be 0 or 1")
+            if bool((mask[:, 1:] < mask[:, :-1]).any()):
+                raise ValueError("attention_mask: expected left padding (zeros before the prompt), like HF decoder-only generate")
+        lengths = mask.sum(1).tolist()
+        if min(lengths) < 1:
+            raise ValueError(f"input_ids: request {lengths.index(min(lengths))} has an empty prompt")
+        prompts = [ids[b, width - lengths[b]:].tolist() for b in range(B)]
+        flat = [t for p in prompts for t in p]
+        if min(flat) < 0 or max(flat) >= self.vocab_size:
+            raise ValueError(f"input_ids: token ids must be in [0, {self.vocab_size}), got [{min(flat)}, {max(flat)}]")
+        return input_ids, lengths, prompts
+
+    def _eos_ids(self, eos_token_id) -> list[int]:
+        if eos_token_id is _UNSET or eos_token_id is None:
+            eos_token_id = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos_token_id is None:
+            return []
+        if isinstance(eos_token_id, torch.Tensor):
+            eos_token_id = eos_token_id.flatten().tolist()
+        if isinstance(eos_token_id, (int,)) and not isinstance(eos_token_id, bool):
+            eos_token_id = [eos_token_id]
+        if not isinstance(eos_token_id, Sequence) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in eos_token_id
+        ):
+            raise ValueError(f"eos_token_id: expected None, an int or a list of ints, got {eos_token_id!r}")
+        bad = [t for t in eos_token_id if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"eos_token_id: ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        return list(eos_token_id)
+
+    def _pad_id(self, pad_token_id, eos: list[int]) -> int:
+        if pad_token_id is None:
+            pad_token_id = getattr(getattr(self.model, "generation_config", None), "pad_token_id", None)
+        if pad_token_id is None:
+            pad_token_id = eos[0] if eos else 0
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+            raise ValueError(f"pad_token_id: expected an int, got {pad_token_id!r}")
+        return pad_token_id
+
+    # ---------------------------------------------------------------------------------------------------
+    # generate
+    # ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        eos_token_id=_UNSET,
+        pad_token_id: int | None = None,
+    ) -> GenerateOutput:
+        """Greedy-decode up to ``max_new_tokens`` per request with tree speculation.
+
+        ``eos_token_id``: an int or a list of ints (any of them stops a request; the EOS is kept and the
+        row is padded after it); ``None`` or omitted uses ``model.generation_config.eos_token_id``.
+        ``pad_token_id`` defaults to the generation config's, else the first EOS id, else 0.
+        """
+        max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+        input_ids, lengths, prompts = self._prompts(input_ids, attention_mask)
+        eos = self._eos_ids(eos_token_id)
+        pad = self._pad_id(pad_token_id, eos)
+        need = max(lengths) + max_new_tokens + self.num_nodes
+        capacity = min(self.binding.capacity, self.draft_cache.capacity, self.max_seq_len)
+        if need > capacity:
+            raise ValueError(
+                f"input_ids: the longest prompt ({max(lengths)}) + max_new_tokens ({max_new_tokens}) + one verify "
+                f"window (num_nodes {self.num_nodes}) = {need} keys exceeds the cache capacity max_seq_len="
+                f"{self.max_seq_len}"
+            )
+        B = len(lengths)
+        st = self._new_state(B, lengths, prompts, eos, max_new_tokens)
+        self._prefill(st, max(lengths))
+        accept_lengths = []
+        while bool(st["running"].any()):  # the one host read per round
+            self._round(st)
+            accept_lengths.append(st["emitted"].clone())
+        n_gen = st["n_gen"].cpu()
+        new = int(n_gen.max())
+        out = st["out"][:, :new].cpu()
+        col = torch.arange(new)
+        out = torch.where(col[None, :] < n_gen[:, None], out, torch.full_like(out, pad))
+        sequences = torch.cat([input_ids.detach().to("cpu", torch.int64), out], dim=1).to(input_ids.device)
+        accepted = torch.stack(accept_lengths).cpu() if accept_lengths else torch.zeros(0, B, dtype=torch.int64)
+        self._state = None
+        return GenerateOutput(sequences=sequences, accept_lengths=accepted)
+
+    # ---------------------------------------------------------------------------------------------------
+    # State, prefill, rounds
+    # ---------------------------------------------------------------------------------------------------
+
+    def _new_state(self, B, lengths, prompts, eos, max_new_tokens) -> dict:
+        """The state of one generate call. Round buffers are bound once per batch size (captured graphs
+        read them) and reset in place here; everything else is fresh: nothing of an earlier request leaks."""
+        dev, N = self.device, self.num_nodes
+        bound = self._buffers.get(B)
+        if bound is None:
+            bound = self._buffers[B] = self._bind_buffers(B)
+        for name, t in bound.items():
+            if isinstance(t, torch.Tensor) and not name.startswith("rows_") and name != "chain_p":
+                t.zero_()
+        bound["pend_n"].fill_(1)
+        bound["accept_len"].fill_(1)
+        bound["spec"].reset_chain()
+        bound["spec"].positions.zero_()
+        history = torch.zeros(B, self.max_seq_len, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            history[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        bound["history"].copy_(history)
+        st = dict(bound)
+        st.update(
+            B=B,
+            prompt_len=torch.tensor(lengths, dtype=torch.int64, device=dev),
+            n_gen=torch.zeros(B, dtype=torch.int64, device=dev),
+            running=torch.ones(B, dtype=torch.bool, device=dev),
+            emitted=torch.zeros(B, dtype=torch.int64, device=dev),
+            out=torch.zeros(B, max_new_tokens + N + 1, dtype=torch.int64, device=dev),
+            max_new=max_new_tokens,
+            eos=torch.tensor(eos if eos else [-1], dtype=torch.int64, device=dev),
+        )
+        self._state = st
+        return st
+
+    def _bind_buffers(self, B: int) -> dict:
+        """Round buffers for batch size B, allocated once (fixed addresses for captured rounds)."""
+        dev, N, P, K = self.device, self.num_nodes, self.pending_rows, self.topk
+        feat = len(self.drafter.aux_layers) * self.model.config.hidden_size
+        return {
+            "history": torch.zeros(B, self.max_seq_len, dtype=torch.int64, device=dev),
+            "vc": torch.zeros(B, dtype=torch.int64, device=dev),
+            "dvc": torch.zeros(B, dtype=torch.int64, device=dev),
+            "root": torch.zeros(B, dtype=torch.int64, device=dev),
+            "pend_feat": torch.zeros(B, P, feat, dtype=self.dtype, device=dev),
+            "pend_tok": torch.zeros(B, P, dtype=torch.int64, device=dev),
+            "pend_n": torch.ones(B, dtype=torch.int64, device=dev),
+            "lane_tokens": torch.zeros(B, max(self.lane_window, 1), dtype=torch.int64, device=dev),
+            # The verify tree, bound once: the chain (topk == 1) is never rewritten.
+            "spec": TreeSpec(B, N, device=dev),
+            "tree_tokens": torch.zeros(B, N, dtype=torch.int64, device=dev),
+            # Round outputs, written in place so an eager round and a replayed graph leave them alike.
+            "path": torch.zeros(B, N, dtype=torch.int64, device=dev),
+            "accept_len": torch.ones(B, dtype=torch.int64, device=dev),
+            "bonus": torch.zeros(B, dtype=torch.int64, device=dev),
+            "aux": torch.zeros(B, N, feat, dtype=self.dtype, device=dev),
+            "rows_p": torch.arange(P, device=dev),
+            "rows_n": torch.arange(N, device=dev),
+            "rows_k": torch.arange(K, device=dev),
+            "chain_p": chain_mask(P, device=dev),
+        }
+
+    def _prefill(self, st, longest: int) -> None:
+        """Prompt as chains of ``prefill_chunk`` rows; the draft cache gets every prompt pair but the last."""
+        B, C, dev = st["B"], self.prefill_chunk, self.device
+        L = st["prompt_len"]
+        rows = torch.arange(C, device=dev)
+        chain = chain_mask(C, device=dev)
+        cap = st["history"].shape[1]
+        feat = st["pend_feat"].shape[2]
+        first = torch.zeros(B, dtype=torch.int64, device=dev)
+        last_feat = torch.zeros(B, feat, dtype=self.dtype, device=dev)
+        for start in range(0, longest, C):
+            pos = start + rows.expand(B, C)
+            valid = pos < L[:, None]
+            ids = torch.where(valid, st["history"].gather(1, pos.clamp(max=cap - 1)), 0)
+            self.binding.load(torch.minimum(L.new_full((B,), start), L), torch.where(valid, chain, 0), valid)
+            logits, aux = self.runner(ids, torch.where(valid, pos, 0))
+            has_last = (L - 1 >= start) & (L - 1 < start + C)
+            row = (L - 1 - start).clamp(0, C - 1)
+            last_logits = logits.gather(1, row.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
+            first = torch.where(has_last, last_logits.float().argmax(-1), first)
+            row_feat = aux.gather(1, row.view(B, 1, 1).expand(B, 1, feat)).squeeze(1)
+            last_feat = torch.where(has_last[:, None], row_feat, last_feat)
+            # Draft pairs (hidden at p, token at p + 1) for p < L - 1.
+            dvalid = pos < (L - 1)[:, None]
+            dtok = torch.where(dvalid, st["history"].gather(1, (pos + 1).clamp(max=cap - 1)), 0)
+            dslots = torch.where(dvalid, self.draft_cache.slots(pos), self.draft_cache.dummy_slot)
+            self.drafter.draft_prefill(
+                self.draft_cache, aux, dtok, torch.where(dvalid, pos, 0), dslots,
+                torch.minimum(L.new_full((B,), start), L - 1), torch.where(dvalid, chain, 0),
+            )  # fmt: skip
+        st["history"].scatter_(1, L[:, None], first[:, None])
+        st["vc"].copy_(L)
+        st["dvc"].copy_(L - 1)
+        st["root"].copy_(first)
+        st["pend_feat"][:, 0].copy_(last_feat)
+        st["pend_tok"][:, 0].copy_(first)
+        st["pend_n"].fill_(1)
+        st["out"][:, 0].copy_(first)
+        st["n_gen"].fill_(1)
+        done = torch.isin(first, st["eos"]) | (st["n_gen"] >= st["max_new"])
+        st["running"].copy_(~done)
+
+    def _round(self, st) -> None:
+        B = st["B"]
+        graphs = self._graphs.get(B) if self.cuda_graphs else None
+        if graphs is not None:
+            graphs[0].replay()
+            graphs[1].replay()
+        else:
+            self._draft_round(st)
+            self._verify_round(st)
+            if self.cuda_graphs:
+                self._capture(st)
+        self._commit(st)
+
+    def _draft_round(self, st) -> None:
+        """Step 0 and the lanes; leaves the selected tree in the TreeSpec and ``tree_tokens``."""
+        B, K, S = st["B"], self.topk, self.steps
+        cache, drafter = self.draft_cache, self.drafter
+        vc, dvc = st["vc"], st["dvc"]
+        context = DraftContext(history=st["history"], vc=vc, lane_tokens=st["lane_tokens"], step=0)
+        pos0 = dvc[:, None] + st["rows_p"]
+        valid0 = st["rows_p"] < st["pend_n"][:, None]
+        slots0 = torch.where(valid0, cache.slots(pos0), cache.dummy_slot)
+        hidden, logits = drafter.draft_step0(
+            cache, st["pend_feat"], st["pend_tok"], torch.where(valid0, pos0, 0), slots0, dvc,
+            torch.where(valid0, st["chain_p"], 0), st["pend_n"] - 1, context,
+        )  # fmt: skip
+        logp, tokens = drafter.score_candidates(logits, K)  # [B, K]
+        if self.tree is not None:
+            lanes = self.tree.begin(logp, tokens)
+        else:
+            lanes = LaneState(tokens=tokens, scores=logp, mask=torch.ones_like(tokens), candidate=torch.zeros_like(tokens),
+                              parent_lane=torch.zeros_like(tokens), step=1)  # fmt: skip
+            chain = [tokens[:, 0]]
+        hidden = hidden[:, None, :]  # [B, 1, H]: the one step-0 row every step-1 lane continues
+        H = hidden.shape[-1]
+        for s in range(1, S):
+            lane_slots = (s - 1) * K + st["rows_k"]
+            st["lane_tokens"][:, (s - 1) * K : s * K].copy_(lanes.tokens)
+            context = DraftContext(history=st["history"], vc=vc, lane_tokens=st["lane_tokens"], step=s)
+            parent = hidden.gather(1, lanes.parent_lane[:, :, None].expand(B, K, H))
+            hidden, logits = drafter.draft_lanes(
+                cache, parent, lanes.tokens, (vc - 1 + s)[:, None].expand(B, K).contiguous(),
+                cache.slots(vc[:, None] + lane_slots), vc, lanes.mask, self.lane_window, context,
+            )  # fmt: skip
+            logp, tokens = drafter.score_candidates(logits, K)  # [B, K, K]
+            if self.tree is not None:
+                lanes = self.tree.expand(lanes, logp, tokens)
+            else:
+                chain.append(tokens[:, 0, 0])
+                mask = lanes.mask | (1 << s)
+                lanes = LaneState(tokens=tokens[:, :, 0], scores=logp[:, :, 0], mask=mask,
+                                  candidate=lanes.candidate, parent_lane=lanes.parent_lane, step=s + 1)  # fmt: skip
+        spec = st["spec"]
+        if self.tree is not None:
+            tree = self.tree.select(st["root"])
+            spec.set_tree(tree)
+            st["tree_tokens"].copy_(tree.tokens)
+        else:
+            drafted = torch.stack(chain, dim=1)[:, : self.num_nodes - 1]
+            st["tree_tokens"].copy_(torch.cat([st["root"][:, None], drafted], dim=1))
+
+    def _verify_round(self, st) -> None:
+        """One target forward over the tree, the greedy walk, KV and hidden-row compaction."""
+        B, N = st["B"], self.num_nodes
+        spec, vc = st["spec"], st["vc"]
+        positions = spec.load_step(vc)
+        self.binding.load(vc, spec.ancestor_mask)
+        logits, aux = self.runner(st["tree_tokens"], positions)
+        target_tokens = logits.float().argmax(-1)  # HF's greedy argmax runs on float32 logits too
+        path, accept_len, bonus = torch.ops.treespec.verify_tree_greedy(spec.parents, st["tree_tokens"], target_tokens)
+        torch.ops.treespec.compact_window_rows(self.binding.kv_buffers(), self.binding.window_slots(B, N), path, accept_len)
+        st["aux"].copy_(aux)
+        spec.compact_rows(st["aux"], path, accept_len, vc)
+        st["path"].copy_(path)
+        st["accept_len"].copy_(accept_len)
+        st["bonus"].copy_(bonus)
+
+    def _commit(self, st) -> None:
+        """Emit the accepted tokens (EOS and max_new_tokens cut them), then commit running requests."""
+        P = self.pending_rows
+        running, vc, n_gen = st["running"], st["vc"], st["n_gen"]
+        alen, bonus, rows = st["accept_len"], st["bonus"], st["rows_n"]
+        path_tokens = st["tree_tokens"].gather(1, st["path"].clamp(min=0))
+        # Token after accepted node i: the next path node's token, the bonus after the last one.
+        emit = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)
+        emit = torch.where(rows[None, :] == (alen - 1)[:, None], bonus[:, None], emit)
+        is_eos = torch.isin(emit, st["eos"]) & (rows[None, :] < alen[:, None])
+        first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1), self.num_nodes)
+        count = torch.minimum(torch.minimum(alen, first_eos + 1), st["max_new"] - n_gen)
+        count = torch.where(running, count, 0)
+        st["out"].scatter_(1, n_gen[:, None] + rows[None, :], torch.where(running[:, None], emit, st["out"].gather(
+            1, n_gen[:, None] + rows[None, :])))
+        st["emitted"].copy_(count)
+        n_gen += count
+        cap = st["history"].shape[1]
+        idx = (vc[:, None] + 1 + rows[None, :]).clamp(max=cap - 1)
+        keep = st["history"].gather(1, idx)
+        st["history"].scatter_(1, idx, torch.where(running[:, None] & (rows[None, :] < alen[:, None]), emit, keep))
+        st["dvc"].copy_(torch.where(running, vc, st["dvc"]))
+        st["pend_tok"].copy_(torch.where(running[:, None], emit[:, :P], st["pend_tok"]))
+        st["pend_feat"].copy_(torch.where(running[:, None, None], st["aux"][:, :P], st["pend_feat"]))
+        st["pend_n"].copy_(torch.where(running, alen, st["pend_n"]))
+        st["root"].copy_(torch.where(running, bonus, st["root"]))
+        vc.copy_(torch.where(running, vc + alen, vc))
+        finished = (first_eos < count) | (n_gen >= st["max_new"])
+        running &= ~finished
+
+    # ---------------------------------------------------------------------------------------------------
+    # CUDA graphs
+    # ---------------------------------------------------------------------------------------------------
+
+    def _capture(self, st) -> None:
+        """Capture the draft and verify rounds for this batch size (after the eager warm-up round)."""
+        B = st["B"]
+        if B in self._graphs:
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # a second idempotent warm-up on a side stream, as capture wants
+            self._draft_round(st)
+            self._verify_round(st)
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        draft_graph, verify_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(draft_graph, pool=pool):
+            self._draft_round(st)
+        with torch.cuda.graph(verify_graph, pool=pool):
+            self._verify_round(st)
+        self._graphs[B] = (draft_graph, verify_graph)
+        logger.info("captured the draft and verify rounds for batch %d", B)
