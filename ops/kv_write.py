@@ -86,7 +86,7 @@ def _launch_kv_write(k_cache, v_cache, k, v, slots) -> None:
         return
     kv_write_kernel[(T, H)](
         k_cache, v_cache, k, v, slots,
-        k_cache.shape[0],
+        k_cache.shape[0], slots.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         D=D, BLOCK_D=triton.next_power_of_2(D),
@@ -98,14 +98,14 @@ if HAS_TRITON:
     @triton.jit
     def kv_write_kernel(
         k_cache, v_cache, k, v, slots,
-        num_slots,
+        num_slots, s_slot,
         s_kc0, s_kc1, s_vc0, s_vc1,
         s_k0, s_k1, s_k2, s_v0, s_v1, s_v2,
         D: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
-        slot = tl.load(slots + t)
+        slot = tl.load(slots + t * s_slot)  # slots may be a strided view (a [B, 1] column flattened)
         ok = (slot >= 0) & (slot < num_slots)  # never write out of bounds
         slot = tl.where(ok, slot, 0)
         d = tl.arange(0, BLOCK_D)

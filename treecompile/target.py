@@ -265,6 +265,7 @@ class TargetRunner:
             )  # fmt: skip
         return compiled
 
+    @torch.no_grad()  # inference only: with grad on, Inductor builds a joint graph the ops can't serve
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
         before = self.binding.calls
         compiled = self._for_shape(tuple(input_ids.shape))

@@ -122,3 +122,20 @@ def test_gpu_kv_write_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(kc[slots], k) and torch.equal(vc[slots], v)
+
+
+def test_strided_slots_as_the_pass_flattens_them(kernel_device):
+    """The FX pass flattens a [B, 1] column of the [max_B, 64] slot buffer: a view of stride 64. The
+    kernel must follow the stride (it once read slots[t] as if contiguous: plain decode broke for B > 1)."""
+    B, H, D, num_slots = 3, 2, 64, 200
+    k, v, _ = _case(B, H, D, num_slots, torch.float32)
+    table = torch.full((B, 64), -1, dtype=torch.int64)
+    table[:, 0] = torch.tensor([17, 5, 130])
+    slots = table[:, :1].reshape(-1)
+    assert slots.stride(0) == 64
+    d = kernel_device
+    kc = torch.full((num_slots, H, D), float("nan"), device=d)
+    vc = torch.full((num_slots, H, D), float("nan"), device=d)
+    _launch_kv_write(kc, vc, k.to(d), v.to(d), slots.to(d))
+    assert torch.equal(kc.cpu()[slots], k) and torch.equal(vc.cpu()[slots], v)
+    assert kc.cpu().isnan().sum() == (num_slots - B) * H * D
