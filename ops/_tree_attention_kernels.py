@@ -55,26 +55,50 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_config(B, R, Hq, Hkv, D, capacity, device, num_splits=None, **override) -> CascadeConfig:
-    """Static tile/split choice (shapes only). ``override`` replaces any field (used by the tuning sweep)."""
+LONG_CACHE = 8192  # keys of capacity from which compute-heavy rows use the paired one-warpgroup tile
+
+
+def resident_ctas_per_sm(block_m: int, num_warps: int) -> int:
+    """Stage-1 programs one Hopper SM holds at once (16-bit K/V, D <= 128): a static estimate that matches the
+    compiled kernels' registers and shared memory on the H200 (notes/attention.md). Two warpgroups over 128
+    rows take ~240 registers a thread -> 1; one warpgroup (4 warps) over 128 or 64 rows -> 2."""
+    return 1 if block_m >= 128 and num_warps >= 8 else 2
+
+
+def choose_config(
+    B, R, Hq, Hkv, D, capacity, device, num_splits=None, itemsize: int = 2, **override
+) -> CascadeConfig:
+    """Static tile/split choice (shapes and dtype size only). ``override`` replaces any field (tuning sweep)."""
     G = Hq // Hkv
     rows = R * G
-    big = rows >= 128 and D <= 128  # compute-heavy: wide tiles, two warpgroups
+    # Compute-heavy rows (verify N=64: 256 rows per KV head) take 128-row tiles. For long caches: 128 x 64 keys
+    # on ONE warpgroup, two programs per SM, 11-15% faster than two warpgroups on 128 x 128 at 64k (H200): while
+    # one program runs its softmax (exp2 on the special-function unit) the other keeps the tensor cores busy.
+    # For short caches (< LONG_CACHE keys) the two-warpgroup 128 x 128 tile measured faster (1k: 26 vs 31 us,
+    # 4k: 34 vs 37): short prefixes give too few programs for two per SM to pair up.
+    big = rows >= 128 and D <= 128
+    pair = big and (capacity >= LONG_CACHE or itemsize > 2)  # 4-byte tiles: the smaller-tile config
     block_m = override.pop("block_m", 128 if big else min(64, max(16, triton.next_power_of_2(rows))))
-    block_n = override.pop("block_n", 128 if big else (64 if D <= 128 else 32))
+    block_n = override.pop("block_n", 128 if big and not pair else (64 if D <= 128 else 32))
     nrb = triton.cdiv(rows, block_m)
     if device.type == "cuda":
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms = 4  # interpreter: few programs keep CPU tests fast
+    num_warps = override.pop("num_warps", 8 if big and not pair else 4)
+    # 4-byte inputs double every tile: fewer stages keep the 128-row configs inside shared memory.
+    num_stages = override.pop("num_stages", (4 if pair else 3) if D <= 128 and itemsize <= 2 else 2)
     if num_splits is None:
-        num_splits = triton.cdiv(2 * sms, B * Hkv * nrb)
+        # Exactly one wave of prefix programs: a grid just past what the SMs hold at once runs a nearly empty
+        # extra wave (N=64 at 64k: 17 splits x 16 programs = 272 > 264 two-per-SM slots took 250 us, 16 splits
+        # 185 us). Window programs are one tile each and fill the gaps.
+        num_splits = max(1, resident_ctas_per_sm(block_m, num_warps) * sms // (B * Hkv * nrb))
     num_splits = max(1, min(num_splits, triton.cdiv(capacity, block_n), 128))
     cfg = dict(
         block_m=block_m,
         block_n=block_n,
-        num_warps=8 if block_m >= 128 else 4,
-        num_stages=3 if D <= 128 else 2,
+        num_warps=num_warps,
+        num_stages=num_stages,
         num_splits=num_splits,
         # A split writes BLOCK_M x D fp32 partials: give it >= 4 * BLOCK_M keys so that stays <= 1/4 of its
         # K/V reads (short prefixes then use few splits instead of many near-empty ones).
@@ -94,7 +118,9 @@ def launch_cascade(
     G = Hq // Hkv
     max_pages = page_table.shape[1]
     capacity = max_pages * page_size
-    cfg = config or choose_config(B, R, Hq, Hkv, D, capacity, q.device, num_splits)
+    cfg = config or choose_config(
+        B, R, Hq, Hkv, D, capacity, q.device, num_splits, itemsize=q.element_size()
+    )
     nrb = triton.cdiv(R * G, cfg.block_m)
     NS = cfg.num_splits
     q = q.contiguous()

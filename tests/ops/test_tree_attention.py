@@ -433,3 +433,29 @@ def test_functional_compiles_fullgraph_without_value_checks():
     pl = torch.tensor([2])
     compiled = torch.compile(tree_attention, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, mask, pl), tree_attention(q, k, v, mask, pl))
+
+
+@pytest.mark.parametrize(
+    "B,N,Hq,Hkv,D,capacity",
+    [(1, 64, 32, 8, 128, 65600), (1, 64, 32, 8, 128, 4160), (1, 16, 32, 8, 128, 65600), (1, 1, 32, 8, 128, 65600),
+     (4, 64, 32, 8, 128, 8192), (3, 33, 28, 4, 128, 4096), (1, 64, 32, 8, 128, 300), (2, 7, 16, 2, 256, 2048)],
+    ids=lambda x: str(x),
+)  # fmt: skip
+def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
+    """The static split count keeps the prefix programs within one wave of what the SMs hold at once (a grid
+    just past it runs an almost empty extra wave) and never exceeds the tiles the capacity holds."""
+    from treecompile.ops import _tree_attention_kernels as kern
+
+    monkeypatch.setattr(kern, "_num_sms", lambda index: 132)
+    cfg = kern.choose_config(B, N, Hq, Hkv, D, capacity, torch.device("cuda", 0))
+    nrb = -(-N * (Hq // Hkv) // cfg.block_m)
+    programs = B * Hkv * nrb * cfg.num_splits
+    slots = kern.resident_ctas_per_sm(cfg.block_m, cfg.num_warps) * 132
+    assert 1 <= cfg.num_splits <= -(-capacity // cfg.block_n)
+    assert programs <= max(slots, B * Hkv * nrb)  # one split is the minimum
+    if cfg.num_splits < -(-capacity // cfg.block_n) and B * Hkv * nrb <= slots:
+        assert programs + B * Hkv * nrb > slots  # and the wave is as full as whole splits allow
+    if (B, N, capacity) == (1, 64, 65600):  # long cache: one-warpgroup programs, two per SM
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (128, 64, 4, 16)  # 256 of 264 slots
+    if (B, N, capacity) == (1, 64, 4160):  # short cache: two-warpgroup programs, one per SM
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (128, 128, 8, 8)  # 128 of 132

@@ -1,15 +1,24 @@
 """Tree attention benchmark (GPU): the cascade against flex_attention, dense-mask SDPA, a 1-token decode
 and the roofline floors, side by side in one run.
 
-    python -m treecompile.bench attention [--prefixes 1024,4096,16384,65536] [--nodes 16,64]
+    python -m treecompile.bench attention [--prefixes 1024,4096,16384,65536] [--nodes 16,64] [--layers 16]
                                           [--json PATH] [--sweep]
 
 Shapes (issue 3): B=1, Hq=32, Hkv=8, D=128, bf16, a random tree of N nodes after a prefix of P keys, K/V in
-a paged cache (page size 64) for the cascade and contiguous for the others. Every variant is captured in a
-CUDA graph; one replay is timed with device events (median of 60), after a 256 MiB read that leaves L2 clean
-of the inputs; the host is too slow to time single launches. The floors are measured in the same run: K+V bytes
-over the device-to-device copy bandwidth (bytes read + written), and ``4 * P * D * Hq * N`` FLOPs over the
-rate of an 8192^3 bf16 matmul. ``--sweep`` times stage-1 tile configurations instead (tuning aid).
+a paged cache (page size 64) for the cascade and contiguous for the others.
+
+Timing, the main table ("per layer"): like the attention layers of one verify forward, L calls over L
+distinct K/V caches (and queries) are captured back to back in ONE CUDA graph, and the replay time over L is
+reported (median of the replays). A forward pays the graph launch once, not once per layer, and no layer
+finds its cache in L2: L is raised until the L caches hold >= 4x the L2 size (L = 64 at a 1k prefix), and
+L2 is also cleaned (a 256 MiB read) before each replay. The second table ("single call") is the older
+method: one call captured alone and timed per replay, which adds the graph launch and first-wave latency
+(~10 us on this host) to every point. Events bracket the replay only; the host is too slow to time single
+launches.
+
+The floors are measured in the same run: K+V bytes over the device-to-device copy bandwidth (bytes read +
+written), and ``4 * P * D * Hq * N`` FLOPs over the rate of an 8192^3 bf16 matmul. ``--sweep`` times
+stage-1 tile and split configurations of the cascade with the same per-layer method (tuning aid).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 B, HQ, HKV, D = 1, 32, 8, 128
 PAGE = 64
-
+L2_MULTIPLE = 4  # the L caches of one replay hold at least this many L2s of K/V
 
 _FLUSH: list[torch.Tensor] = []
 
@@ -39,21 +48,24 @@ def _flush_l2() -> None:
     torch.sum(_FLUSH[0], dim=0, out=_FLUSH[1])
 
 
-def _time_graph(fn, reps: int = 60) -> tuple[float, bool]:
-    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph, L2 flushed (clean) before each
-    replay and timed with device events around the replay only. Falls back to eager launches (flag False)."""
+def _time_graph(fns, reps: int = 40) -> tuple[float, bool]:
+    """Median milliseconds of one replay of a CUDA graph that calls every ``fn`` in ``fns`` once, in order,
+    L2 cleaned before each replay and device events around the replay only. Falls back to eager launches
+    (flag False) where capture fails."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for _ in range(2):
+            for fn in fns:
+                fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    run, graphed = fn, True
+    graphed = True
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fn()
+            for fn in fns:
+                fn()
         graph.replay()
         torch.cuda.synchronize()
         run = graph.replay
@@ -61,9 +73,14 @@ def _time_graph(fn, reps: int = 60) -> tuple[float, bool]:
         logger.warning("graph capture failed (%s); timing eagerly", exc)
         torch.cuda.synchronize()
         graphed = False
+
+        def run():
+            for fn in fns:
+                fn()
+
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(-5, reps):
+    for i in range(-3, reps):
         _flush_l2()
         if i >= 0:
             starts[i].record()
@@ -87,7 +104,22 @@ def measure_ceilings() -> dict:
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t_mm = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
     del a, b
-    return {"copy_bytes_per_s": 2 * n / (t_copy * 1e-3), "bf16_flops_per_s": 2 * 8192**3 / (t_mm * 1e-3)}
+    return {
+        "copy_bytes_per_s": 2 * n / (t_copy * 1e-3),
+        "bf16_flops_per_s": 2 * 8192**3 / (t_mm * 1e-3),
+        "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
+    }
+
+
+def kv_bytes(P: int, N: int) -> int:
+    return 2 * (P + N) * HKV * D * 2
+
+
+def layers_for(P: int, N: int, min_layers: int, l2_bytes: int) -> int:
+    """Layers per replay: at least ``min_layers``, and enough (a multiple of 8) that the L caches hold
+    ``L2_MULTIPLE`` L2s, so no layer's K/V can still sit in L2 from an earlier layer or replay."""
+    need = math.ceil(L2_MULTIPLE * l2_bytes / kv_bytes(P, N))
+    return max(min_layers, -(-need // 8) * 8)
 
 
 def random_tree_masks(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -98,42 +130,60 @@ def random_tree_masks(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.tensor([m - (1 << 64) if m >= 1 << 63 else m for m in masks], dtype=torch.int64)
 
 
-class Problem:
-    """One (P, N) point: a paged cache holding the prefix and the tree window, plus contiguous copies."""
+class Point:
+    """One (P, N) point of a verify forward: the request's page table, prefix length and tree mask, shared by
+    every layer (as in a real forward), and per layer its own paged K/V cache, contiguous copies of the same
+    keys (for SDPA / flex) and its own queries."""
 
-    def __init__(self, P: int, N: int, max_keys: int, gen: torch.Generator) -> None:
-        self.P, self.N = P, N
+    def __init__(self, P: int, N: int, num_layers: int, gen: torch.Generator) -> None:
+        self.P, self.N, self.num_layers = P, N, num_layers
         dev = "cuda"
-        self.max_pages = -(-max_keys // PAGE)
-        num_slots = (1 + self.max_pages) * PAGE
-        self.k_cache = torch.randn(num_slots, HKV, D, device=dev, dtype=torch.bfloat16)
-        self.v_cache = torch.randn(num_slots, HKV, D, device=dev, dtype=torch.bfloat16)
+        self.max_pages = -(-(P + N) // PAGE)
+        self.num_slots = (1 + self.max_pages) * PAGE  # page 0 is the dummy page
         perm = torch.randperm(self.max_pages, generator=gen) + 1  # scattered pages, like a real pool
         self.page_table = perm.to(torch.int32).view(1, -1).to(dev)
         self.prefix_len = torch.tensor([P], device=dev)
         self.mask = random_tree_masks(N, gen).view(1, N).to(dev)
-        self.q = torch.randn(B, N, HQ, D, device=dev, dtype=torch.bfloat16, generator=None)
         self.scale = D**-0.5
-        L = P + N
-        t = torch.arange(L, device=dev)
-        slots = (self.page_table[0, t // PAGE].long() * PAGE + t % PAGE)
-        # Contiguous [B, H, L, D] copies of the same keys for SDPA / flex.
-        self.k = self.k_cache[slots].permute(1, 0, 2).unsqueeze(0).contiguous()
-        self.v = self.v_cache[slots].permute(1, 0, 2).unsqueeze(0).contiguous()
-        self.qh = self.q.transpose(1, 2).contiguous()  # [B, Hq, N, D]
+        t = torch.arange(P + N, device=dev)
+        self.slots = self.page_table[0, t // PAGE].long() * PAGE + t % PAGE
+        self.layers = [self._layer() for _ in range(num_layers)]
+
+    def _layer(self) -> dict:
+        dev = "cuda"
+        k_cache = torch.randn(self.num_slots, HKV, D, device=dev, dtype=torch.bfloat16)
+        v_cache = torch.randn(self.num_slots, HKV, D, device=dev, dtype=torch.bfloat16)
+        q = torch.randn(B, self.N, HQ, D, device=dev, dtype=torch.bfloat16)
+        return {
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "q": q,
+            # Contiguous [B, H, L, D] copies of the same keys for SDPA / flex.
+            "k": k_cache[self.slots].permute(1, 0, 2).unsqueeze(0).contiguous(),
+            "v": v_cache[self.slots].permute(1, 0, 2).unsqueeze(0).contiguous(),
+            "qh": q.transpose(1, 2).contiguous(),  # [B, Hq, N, D]
+        }
+
+    # Each variant: a list of one callable per layer.
 
     def cascade(self, config=None):
         if config is None:
-            return lambda: torch.ops.treespec.tree_attention_paged(
-                self.q, self.k_cache, self.v_cache, self.page_table, self.prefix_len, self.mask, PAGE, self.N,
-                self.scale,
-            )  # fmt: skip
+            return [
+                lambda x=x: torch.ops.treespec.tree_attention_paged(
+                    x["q"], x["k_cache"], x["v_cache"], self.page_table, self.prefix_len, self.mask, PAGE,
+                    self.N, self.scale,
+                )  # fmt: skip
+                for x in self.layers
+            ]
         from treecompile.ops._tree_attention_kernels import launch_cascade
 
-        return lambda: launch_cascade(
-            self.q, self.k_cache, self.v_cache, self.page_table, self.prefix_len, self.mask, PAGE, self.N,
-            self.scale, config=config,
-        )  # fmt: skip
+        return [
+            lambda x=x: launch_cascade(
+                x["q"], x["k_cache"], x["v_cache"], self.page_table, self.prefix_len, self.mask, PAGE, self.N,
+                self.scale, config=config,
+            )  # fmt: skip
+            for x in self.layers
+        ]
 
     def dense_mask(self) -> torch.Tensor:
         P, N = self.P, self.N
@@ -144,9 +194,12 @@ class Problem:
     def sdpa_dense(self):
         F = torch.nn.functional
         mask = self.dense_mask()
-        return lambda: F.scaled_dot_product_attention(
-            self.qh, self.k, self.v, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )
+        return [
+            lambda x=x: F.scaled_dot_product_attention(
+                x["qh"], x["k"], x["v"], attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+            for x in self.layers
+        ]
 
     def flex(self):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -161,30 +214,44 @@ class Problem:
 
         block_mask = create_block_mask(tree_mask_mod, B=None, H=None, Q_LEN=N, KV_LEN=P + N, device="cuda")
         compiled = torch.compile(flex_attention, dynamic=False)
-        return lambda: compiled(self.qh, self.k, self.v, block_mask=block_mask, scale=self.scale, enable_gqa=True)
+        compiled(self.layers[0]["qh"], self.layers[0]["k"], self.layers[0]["v"], block_mask=block_mask,
+                 scale=self.scale, enable_gqa=True)  # fmt: skip  # compile (or fail) before timing
+        return [
+            lambda x=x: compiled(x["qh"], x["k"], x["v"], block_mask=block_mask, scale=self.scale, enable_gqa=True)
+            for x in self.layers
+        ]
 
     def decode_ours(self):
         """A plain 1-token decode over the same prefix through the same kernels (R = 1, window of 1)."""
-        q1 = self.q[:, :1].contiguous()
         one = torch.ones(1, 1, dtype=torch.int64, device="cuda")
-        return lambda: torch.ops.treespec.tree_attention_paged(
-            q1, self.k_cache, self.v_cache, self.page_table, self.prefix_len, one, PAGE, 1, self.scale
-        )
+        q1 = [x["q"][:, :1].contiguous() for x in self.layers]
+        return [
+            lambda x=x, q=q: torch.ops.treespec.tree_attention_paged(
+                q, x["k_cache"], x["v_cache"], self.page_table, self.prefix_len, one, PAGE, 1, self.scale
+            )
+            for x, q in zip(self.layers, q1)
+        ]
 
     def decode_sdpa(self):
         F = torch.nn.functional
-        q1 = self.qh[:, :, :1].contiguous()
-        k, v = self.k[:, :, : self.P + 1], self.v[:, :, : self.P + 1]
-        return lambda: F.scaled_dot_product_attention(q1, k, v, scale=self.scale, enable_gqa=True)
+        n = self.P + 1
+        q1 = [x["qh"][:, :, :1].contiguous() for x in self.layers]
+        return [
+            lambda x=x, q=q: F.scaled_dot_product_attention(
+                q, x["k"][:, :, :n], x["v"][:, :, :n], scale=self.scale, enable_gqa=True
+            )
+            for x, q in zip(self.layers, q1)
+        ]
 
 
-def _check(problem: Problem, out: torch.Tensor, label: str) -> float:
-    """Relative error of ``out`` against SDPA in float32 with the dense mask."""
+def _check(point: Point, out: torch.Tensor, label: str) -> float:
+    """Relative error of layer 0's ``out`` against SDPA in float32 with the dense mask."""
     F = torch.nn.functional
     G = HQ // HKV
-    k = problem.k.float().repeat_interleave(G, dim=1)
-    v = problem.v.float().repeat_interleave(G, dim=1)
-    ref = F.scaled_dot_product_attention(problem.qh.float(), k, v, attn_mask=problem.dense_mask(), scale=problem.scale)
+    x = point.layers[0]
+    k = x["k"].float().repeat_interleave(G, dim=1)
+    v = x["v"].float().repeat_interleave(G, dim=1)
+    ref = F.scaled_dot_product_attention(x["qh"].float(), k, v, attn_mask=point.dense_mask(), scale=point.scale)
     ref = ref.transpose(1, 2)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     if not math.isfinite(err) or err > 2e-2:
@@ -192,37 +259,47 @@ def _check(problem: Problem, out: torch.Tensor, label: str) -> float:
     return err
 
 
-def run_bench(prefixes, nodes, ceilings) -> list[dict]:
+VARIANTS = ("cascade", "flex", "sdpa_dense", "decode_ours", "decode_sdpa")
+
+
+def run_bench(prefixes, nodes, ceilings, min_layers: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    failed: dict[tuple[str, int], str] = {}  # (variant, N) -> note: a compile failure is not retried per prefix
     for N in nodes:
         for P in prefixes:
-            prob = Problem(P, N, P + N, gen)
-            row = {"N": N, "P": P}
-            kv_bytes = 2 * (P + N) * HKV * D * 2
-            row["bw_floor_ms"] = kv_bytes / ceilings["copy_bytes_per_s"] * 1e3
+            L = layers_for(P, N, min_layers, ceilings["l2_bytes"])
+            point = Point(P, N, L, gen)
+            row = {"N": N, "P": P, "layers": L}
+            row["bw_floor_ms"] = kv_bytes(P, N) / ceilings["copy_bytes_per_s"] * 1e3
             row["flop_floor_ms"] = 4 * P * D * HQ * N / ceilings["bf16_flops_per_s"] * 1e3
             row["floor_ms"] = max(row["bw_floor_ms"], row["flop_floor_ms"])
-            out = prob.cascade()()
-            row["err"] = _check(prob, out, f"cascade P={P} N={N}")
-            row["cascade_ms"], _ = _time_graph(prob.cascade())
-            row["decode_ours_ms"], _ = _time_graph(prob.decode_ours())
-            row["decode_sdpa_ms"], _ = _time_graph(prob.decode_sdpa())
-            for name, make in (("flex_ms", prob.flex), ("sdpa_dense_ms", prob.sdpa_dense)):
+            row["err"] = _check(point, point.cascade()[0](), f"cascade P={P} N={N}")
+            for name in VARIANTS:
+                if (name, N) in failed:
+                    row[name + "_ms"] = row[name + "_single_ms"] = None
+                    row[name + "_note"] = "not retried: " + failed[name, N]
+                    continue
                 try:
                     t0 = time.time()
-                    row[name], graphed = _time_graph(make())
+                    fns = getattr(point, name)()
+                    layered, graphed = _time_graph(fns)
+                    row[name + "_ms"] = layered / L
+                    row[name + "_single_ms"], _ = _time_graph(fns[:1])
                     if not graphed:
                         row[name + "_note"] = "eager"
-                    logger.info("%s P=%d N=%d: %.4f ms (%.1f s incl. compile)", name, P, N, row[name], time.time() - t0)
+                    logger.info("%s P=%d N=%d: %.4f ms/layer (%.1f s incl. compile)", name, P, N,
+                                row[name + "_ms"], time.time() - t0)  # fmt: skip
                 except Exception as exc:  # noqa: BLE001 - e.g. flex NoValidChoicesError at N=64
-                    row[name] = None
-                    row[name + "_note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                    row[name + "_ms"] = row[name + "_single_ms"] = None
+                    row[name + "_note"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+                    if name == "flex":
+                        failed[name, N] = f"failed at P={P}"
                     logger.warning("%s failed at P=%d N=%d: %s", name, P, N, row[name + "_note"])
             rows.append(row)
             print(_fmt_row(row), flush=True)
-            del prob
+            del point
             torch.cuda.empty_cache()
     return rows
 
@@ -236,67 +313,117 @@ def _x(a, b):
 
 
 HEADER = (
-    "| P | N | cascade us | flex us | SDPA dense us | decode ours (R=1) us | decode SDPA us | floor us (bw / flop) "
-    "| cascade / floor | flex / cascade | SDPA / cascade | cascade / decode ours | rel err |\n"
-    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| P | N | L | cascade us | flex us | SDPA dense us | decode ours (R=1) us | decode SDPA us "
+    "| floor us (bw / flop) | cascade / floor | flex / cascade | SDPA / cascade | cascade / decode ours | rel err |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+HEADER_SINGLE = (
+    "| P | N | cascade us | flex us | SDPA dense us | decode ours (R=1) us | decode SDPA us | cascade / floor "
+    "| cascade / decode ours |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
 def _fmt_row(r) -> str:
+    """Per-layer numbers (L back-to-back layers in one graph)."""
+    c = r["cascade_ms"]
     return (
-        f"| {r['P']} | {r['N']} | {_us(r['cascade_ms'])} | {_us(r.get('flex_ms'))} | {_us(r.get('sdpa_dense_ms'))} "
+        f"| {r['P']} | {r['N']} | {r['layers']} | {_us(c)} | {_us(r['flex_ms'])} | {_us(r['sdpa_dense_ms'])} "
         f"| {_us(r['decode_ours_ms'])} | {_us(r['decode_sdpa_ms'])} "
         f"| {_us(r['floor_ms'])} ({_us(r['bw_floor_ms'])} / {_us(r['flop_floor_ms'])}) "
-        f"| {_x(r['cascade_ms'], r['floor_ms'])} | {_x(r.get('flex_ms'), r['cascade_ms'])} "
-        f"| {_x(r.get('sdpa_dense_ms'), r['cascade_ms'])} | {_x(r['cascade_ms'], r['decode_ours_ms'])} "
-        f"| {r['err']:.1e} |"
+        f"| {_x(c, r['floor_ms'])} | {_x(r['flex_ms'], c)} | {_x(r['sdpa_dense_ms'], c)} "
+        f"| {_x(c, r['decode_ours_ms'])} | {r['err']:.1e} |"
     )
 
 
-def run_sweep(prefixes, nodes) -> list[dict]:
-    """Time stage-1 configurations per point; prints the best few and checks each against the default."""
-    import itertools
+def _fmt_row_single(r) -> str:
+    """Single-call numbers (one call alone in a graph: graph launch and first wave included)."""
+    c = r["cascade_single_ms"]
+    return (
+        f"| {r['P']} | {r['N']} | {_us(c)} | {_us(r['flex_single_ms'])} | {_us(r['sdpa_dense_single_ms'])} "
+        f"| {_us(r['decode_ours_single_ms'])} | {_us(r['decode_sdpa_single_ms'])} | {_x(c, r['floor_ms'])} "
+        f"| {_x(c, r['decode_ours_single_ms'])} |"
+    )
 
+
+def kernel_resources() -> list[str]:
+    """Registers, spills, shared memory and the resulting programs per SM of every compiled stage-1 kernel
+    (checks :func:`resident_ctas_per_sm`'s estimate). Best effort: Triton's cache layout is internal."""
+    from treecompile.ops._tree_attention_kernels import cascade_partial_kernel
+
+    lines = []
+    try:
+        props = torch.cuda.get_device_properties(0)
+        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+        for entry in cascade_partial_kernel.device_caches.values():
+            for k in entry[0].values():
+                md = k.metadata
+                warps, smem, regs = md.num_warps, md.shared, k.n_regs
+                by_regs = regs_sm // max(1, regs * 32 * warps)
+                by_smem = smem_sm // max(1, smem + 1024)  # 1 KB per block reserved by the driver
+                consts = {}
+                try:
+                    names = cascade_partial_kernel.arg_names
+                    consts = {names[i[0]]: v for i, v in k.src.constants.items() if names[i[0]].isupper()}
+                except Exception:  # noqa: BLE001
+                    pass
+                tiles = {n: consts[n] for n in ("BLOCK_M", "BLOCK_N", "D") if n in consts}
+                lines.append(
+                    f"{tiles} warps={warps} stages={md.num_stages} regs={regs} spills={k.n_spills} "
+                    f"smem={smem} -> programs/SM by regs {by_regs}, by smem {by_smem}, by warps {64 // warps}"
+                )
+    except Exception as exc:  # noqa: BLE001
+        lines.append(f"(kernel resources unavailable: {type(exc).__name__}: {exc})")
+    return lines
+
+
+def run_sweep(prefixes, nodes, min_layers: int, l2_bytes: int) -> list[dict]:
+    """Per-layer time of stage-1 configurations (tiles, stages, split counts) at each point, each checked
+    against the default config's output. Split counts: the default rule, one and two full waves of
+    1- or 2-resident programs, and the older ``cdiv(2 * SMs, programs per split)`` rule."""
     from treecompile.ops._tree_attention_kernels import choose_config
 
     gen = torch.Generator().manual_seed(1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     results = []
     for N in nodes:
+        rows = N * (HQ // HKV)
+        tiles = ((128, 64, 4, 4), (128, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3))
+        if rows < 128:
+            tiles = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3))
         for P in prefixes:
-            prob = Problem(P, N, P + N, gen)
-            base = prob.cascade()()
+            L = layers_for(P, N, min_layers, l2_bytes)
+            point = Point(P, N, L, gen)
+            base = point.cascade()[0]()
+            default_ms = _time_graph(point.cascade())[0] / L
+            cap = point.max_pages * PAGE
             timed = []
-            G = HQ // HKV
-            chunks = (None, 1024) if P <= 4096 else (None,)
-            for (block_m, warps), block_n, stages, split_mult, min_chunk in itertools.product(
-                ((64, 4), (128, 8), (128, 4), (64, 8)), (64, 128), (2, 3, 4), (1, 2), chunks
-            ):
-                if block_m > max(16, N * G) or (N * G <= 64 and block_m == 128):
-                    continue
-                nrb = -(-N * G // block_m)
-                splits = -(-132 * split_mult // (B * HKV * nrb))
-                extra = {} if min_chunk is None else {"min_chunk": min_chunk}
-                cfg = choose_config(B, N, HQ, HKV, D, prob.max_pages * PAGE, torch.device("cuda"), splits,
-                                    block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                                    **extra)  # fmt: skip
-                try:
-                    out = prob.cascade(cfg)()
-                    ok = torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)
-                    ms, _ = _time_graph(prob.cascade(cfg), reps=30)
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
-                    logger.info("config %s failed: %s", cfg, type(exc).__name__)
-                    continue
-                timed.append((ms, ok, cfg))
+            for block_m, block_n, warps, stages in tiles:
+                nrb = -(-rows // block_m)
+                per_split = B * HKV * nrb
+                splits = sorted({max(1, sms // per_split), max(1, 2 * sms // per_split), -(-2 * sms // per_split)})
+                for ns in splits:
+                    cfg = choose_config(B, N, HQ, HKV, D, cap, torch.device("cuda"), ns, block_m=block_m,
+                                        block_n=block_n, num_warps=warps, num_stages=stages)  # fmt: skip
+                    try:
+                        out = point.cascade(cfg)[0]()
+                        ok = torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)
+                        ms = _time_graph(point.cascade(cfg), reps=25)[0] / L
+                    except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                        logger.info("config %s failed: %s", cfg, type(exc).__name__)
+                        continue
+                    timed.append((ms, ok, cfg))
+                    print(f"  P={P} N={N} {ms * 1e3:8.1f} us/layer ok={ok} {cfg}", flush=True)
             timed.sort(key=lambda x: x[0])
-            default_ms, _ = _time_graph(prob.cascade(), reps=30)
-            print(f"\nP={P} N={N}: default {default_ms * 1e3:.1f} us", flush=True)
-            for ms, ok, cfg in timed[:6]:
+            print(f"\nP={P} N={N} L={L}: default {default_ms * 1e3:.1f} us/layer; best:", flush=True)
+            for ms, ok, cfg in timed[:5]:
                 print(f"  {ms * 1e3:8.1f} us  ok={ok}  {cfg}", flush=True)
             results.append(
-                {"P": P, "N": N, "default_ms": default_ms,
-                 "best": [(ms, ok, cfg.__dict__) for ms, ok, cfg in timed[:6]]}
+                {"P": P, "N": N, "layers": L, "default_ms": default_ms,
+                 "all": [(ms, ok, cfg.__dict__) for ms, ok, cfg in timed]}
             )  # fmt: skip
-            del prob
+            del point
             torch.cuda.empty_cache()
     return results
 
@@ -305,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treecompile.bench attention", description=__doc__.splitlines()[0])
     parser.add_argument("--prefixes", default="1024,4096,16384,65536")
     parser.add_argument("--nodes", default="16,64")
+    parser.add_argument("--layers", type=int, default=16, help="minimum layers (distinct caches) per graph")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
-    parser.add_argument("--sweep", action="store_true", help="time stage-1 tile configurations instead")
+    parser.add_argument("--sweep", action="store_true", help="time stage-1 tile/split configurations instead")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
@@ -317,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     prefixes = [int(x) for x in args.prefixes.split(",")]
     nodes = [int(x) for x in args.nodes.split(",")]
     if args.sweep:
-        res = run_sweep(prefixes, nodes)
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        res = run_sweep(prefixes, nodes, args.layers, l2)
+        print("\n".join(["", "stage-1 kernels compiled:"] + kernel_resources()))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1, default=str)
@@ -326,17 +456,23 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; copy bandwidth "
         f"{ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write); bf16 matmul "
-        f"{ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s\n",
+        f"{ceilings['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s; L2 {ceilings['l2_bytes'] / 1e6:.0f} MB\n",
         flush=True,
     )
     print(HEADER, flush=True)
-    rows = run_bench(prefixes, nodes, ceilings)
-    print("\n" + HEADER)
+    rows = run_bench(prefixes, nodes, ceilings, args.layers)
+    print("\nper layer (L layers, each its own K/V cache, back to back in one CUDA graph; replay time / L):")
+    print(HEADER)
     for r in rows:
         print(_fmt_row(r))
+    print("\nsingle call (one call alone in a CUDA graph; graph launch and first wave included):")
+    print(HEADER_SINGLE)
+    for r in rows:
+        print(_fmt_row_single(r))
     notes = [f"{r['P']}/{r['N']} {k}: {v}" for r in rows for k, v in r.items() if k.endswith("_note")]
     if notes:
         print("\nnotes: " + "; ".join(notes))
+    print("\n".join(["", "stage-1 kernels compiled:"] + kernel_resources()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
