@@ -7,6 +7,7 @@ import sys
 
 BENCHES = {
     "attention": "treecompile.bench.attention",
+    "rounds": "treecompile.bench.rounds",
 }
 
 

@@ -1,0 +1,141 @@
+"""The rounds benchmark's harness: ``--smoke`` runs every variant end to end on the CPU (a tiny random Llama,
+the same code path as the 8B GPU run) and prints the full table; a failing variant is reported, not fatal;
+the weight-read floors count the bytes a forward and a draft round must read."""
+
+import json
+
+import pytest
+import torch
+
+from treecompile.bench import rounds
+from treecompile.bench.__main__ import BENCHES
+
+SMOKE_ROWS = [
+    "treecompile verify N=64 (K=4, S=5)",
+    "treecompile decode (1-node tree)",
+    "HF forward, StaticCache ctx 96",
+    "HF forward, no cache",
+    "treecompile draft round K=4, S=5 (Vd=128)",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: intra-op threads only add spin-wait contention on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; the GPU run is the lead's")
+def test_smoke_runs_every_variant_and_prints_the_full_table(tmp_path, capsys):
+    path = tmp_path / "rounds.json"
+    assert rounds.main(["--smoke", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0] == rounds.HEADER.splitlines()[0]
+    columns = [c.strip() for c in table[0].strip("|").split("|")]
+    assert columns == ["variant", "tokens", "ms", "floor ms", "/ floor", "/ decode(1)", "note"]
+    body = [[c.strip() for c in line.strip("|").split("|")] for line in table[1:]]
+    assert [r[0] for r in body] == [SMOKE_ROWS[0], SMOKE_ROWS[1], SMOKE_ROWS[2], SMOKE_ROWS[2], SMOKE_ROWS[3],
+                                    SMOKE_ROWS[3], SMOKE_ROWS[4]]  # fmt: skip
+    assert [r[1] for r in body] == ["64", "1", "1", "64", "1", "64", "5 steps"]
+    for row in body:
+        assert len(row) == len(columns), row
+        assert "fail" not in row[2] and "fail" not in row[6], row  # every variant runs on the CPU
+        assert float(row[2]) > 0 and float(row[3]) > 0 and float(row[4]) > 0, row
+        assert row[5] == "-" if row[0] == SMOKE_ROWS[4] else float(row[5]) > 0, row
+    assert "c = T_draft / T_verify(N=64) = " in out
+    targets = [line for line in out.splitlines() if line.startswith("- ")]
+    assert len(targets) == 3 and all(line.endswith(("-> met", "-> NOT met")) for line in targets)
+    assert "[rounds] treecompile verify N=64" in out  # progress lines
+
+    result = json.loads(path.read_text())
+    ms = {r["key"]: r["ms"] for r in result["rows"]}
+    assert set(ms) == {"verify_64", "decode", "hf_static_1", "hf_static_64", "hf_nocache_1", "hf_nocache_64",
+                       "draft"}  # fmt: skip
+    assert result["c"] == pytest.approx(ms["draft"] / ms["verify_64"])
+    bandwidth = result["copy_bytes_per_s"]
+    assert result["floors"]["target_ms"] == pytest.approx(result["target_read_bytes"] / bandwidth * 1e3)
+    assert result["floors"]["draft_ms"] == pytest.approx(result["draft_read_bytes"] / bandwidth * 1e3)
+    assert [t["limit"] for t in result["targets"]] == [1.15, 1.25, 1.3]
+    assert result["targets"][0]["ratio"] == pytest.approx(ms["verify_64"] / ms["decode"])
+
+
+def test_a_failing_variant_is_reported_and_the_run_goes_on(capsys):
+    setup = rounds.Setup(device=torch.device("cpu"), dtype=torch.float32, target=dict(rounds.TARGET_SMOKE), ctx=8,
+                         nodes=(64,), reps=1, smoke=True)  # fmt: skip
+    bench = rounds.RoundsBench(setup)
+    good = bench._row("decode", "treecompile decode (1-node tree)", "target", "1")
+    bad = bench._row("verify_64", "treecompile verify N=64 (K=4, S=5)", "target", "64")
+
+    def boom():
+        raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    assert bench._attempt([bad], boom) is False
+    assert bench._attempt([good], lambda: bench._timed(good, bench.clock.capture(lambda: torch.ones(4).sum())))
+    assert bad.ms is None and bad.note == "fail: RuntimeError: operation not permitted when stream is capturing"
+    assert good.ms is not None and good.note == ""
+    out = capsys.readouterr().out
+    assert "[rounds] treecompile verify N=64 (K=4, S=5): fail: RuntimeError: operation not permitted" in out
+
+    ms = {"decode": good.ms, "verify_64": None, "draft": 2.0}
+    floors = {"target_ms": good.ms, "draft_ms": 1.0}
+    result = {
+        "rows": [vars(good), vars(bad)], "floors": floors, "copy_bytes_per_s": 1e9, "target_read_bytes": 1,
+        "head_bytes": 1, "draft_read_bytes": 1, "setup": {"steps": 5, "nodes": [64]}, "c": None, "c_floor": 0.5,
+        "targets": rounds.check_targets(ms, floors),
+    }  # fmt: skip
+    report = rounds.format_report(result)
+    assert "| treecompile verify N=64 (K=4, S=5) | 64 | fail | " in report
+    assert "fail: RuntimeError: operation not permitted when stream is capturing |" in report
+    assert "- verify(64) <= 1.15x decode(1): -x -> n/a (a variant failed)" in report
+    assert "- decode(1) <= 1.25x target weight-read floor: 1.00x -> met" in report
+    assert "- draft round <= 1.3x its weight-read floor: 2.00x -> NOT met" in report
+
+
+def test_weight_read_floors_count_what_a_forward_and_a_draft_round_read():
+    """Smoke shape, float32: per layer q, k, v, o, the MLP and two norms; the final norm and the LM head; not
+    the input embedding (a forward gathers T rows of it). The head: fc once, then S x (its decoder layer
+    over the 2H-wide input, its norm, the draft-vocabulary LM head)."""
+    from treecompile.drafter import EagleDrafter
+
+    cfg = rounds.TARGET_SMOKE
+    H, I, L, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    model = rounds.build_target(cfg, torch.device("cpu"), torch.float32)
+    layer = H * q + 2 * H * kv + q * H + 3 * H * I + 2 * H
+    assert rounds.target_read_bytes(model) == 4 * (L * layer + H + V * H)
+
+    Vd, S = 100, 5
+    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=Vd)
+    fc = 3 * H * H
+    rest = 2 * H + 2 * H * q + 2 * 2 * H * kv + q * H + H + 3 * H * I + H + H * Vd
+    assert rounds.draft_read_bytes(drafter, S) == (4 * (fc + rest), 4 * (fc + S * rest))
+
+
+def test_build_target_initialises_every_weight_and_the_rope_tables():
+    model = rounds.build_target(rounds.TARGET_SMOKE, torch.device("cpu"), torch.bfloat16)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and not p.requires_grad, name
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            assert 0.01 < p.float().std().item() < 0.03, name
+    inv_freq = model.model.rotary_emb.inv_freq
+    D, theta = rounds.TARGET_SMOKE["head_dim"], rounds.TARGET_SMOKE["rope_parameters"]["rope_theta"]
+    expected = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    assert inv_freq.dtype == torch.float32
+    torch.testing.assert_close(inv_freq.double(), expected, rtol=1e-6, atol=0)
+
+
+def test_registered_and_bad_options_are_refused(capsys):
+    assert BENCHES["rounds"] == "treecompile.bench.rounds"
+    with pytest.raises(SystemExit) as exc:
+        rounds.main(["--smoke", "--nodes", "64,65"])
+    assert exc.value.code == 2
+    assert "--nodes: expected a comma-separated list of tree sizes in 1..64, got '64,65'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert rounds.main([]) == 2
+        assert "needs a CUDA device (or --smoke)" in capsys.readouterr().out
