@@ -58,3 +58,18 @@ def check_same_device(**tensors: torch.Tensor) -> None:
 def check_num_nodes(name: str, n: int) -> None:
     if n < 1 or n > MAX_NODES:
         raise ValueError(f"{name}: the tree must have 1..{MAX_NODES} nodes, got {n}")
+
+
+def values_checkable(*tensors: torch.Tensor) -> bool:
+    """Whether an op may read tensor values to validate them (e.g. that ``parents`` is a tree).
+
+    Always for CPU tensors: reading them costs no device sync. On CUDA a value check is a device-to-host
+    copy, i.e. a sync on every call, so it runs only when ``TREECOMPILE_CHECK_VALUES=1`` asks for it and
+    never while a CUDA graph is being captured. Callers on CUDA run the ``validate_*`` helpers once,
+    outside capture, instead.
+    """
+    if all(t.device.type == "cpu" for t in tensors):
+        return True
+    if os.environ.get("TREECOMPILE_CHECK_VALUES", "0") != "1":
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -32,6 +32,7 @@ from ._common import (
     check_num_nodes,
     triton_interpret,
     use_triton,
+    values_checkable,
 )
 
 if HAS_TRITON:
@@ -52,6 +53,8 @@ __all__ = ["build_ancestor_mask", "build_ancestor_mask_reference", "validate_par
 def build_ancestor_mask(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Ancestor mask and depth of each node of B trees: ``parents [B, N] -> ([B, N], [B, N])`` int64."""
     _check_parents_meta(parents, "parents")
+    if values_checkable(parents):
+        validate_parents(parents)
     if use_triton(parents):
         ancestor_mask = torch.empty_like(parents, memory_format=torch.contiguous_format)
         depth = torch.empty_like(parents, memory_format=torch.contiguous_format)

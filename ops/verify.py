@@ -36,8 +36,9 @@ from ._common import (
     check_num_nodes,
     check_same_device,
     use_triton,
+    values_checkable,
 )
-from .tree_mask import requests_per_program
+from .tree_mask import requests_per_program, validate_parents
 
 if HAS_TRITON:
     import triton
@@ -61,6 +62,8 @@ def verify_tree_greedy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy tree walk: ``[B, N] x3 -> (accepted_path [B, N], accept_len [B], bonus [B])``, int64."""
     _check_verify_inputs(parents, tokens, target_tokens)
+    if values_checkable(parents):
+        validate_parents(parents)
     if use_triton(parents, tokens, target_tokens):
         accepted_path, accept_len, bonus = _empty_outputs(parents)
         _launch_verify_tree_greedy(parents, tokens, target_tokens, accepted_path, accept_len, bonus)

@@ -216,3 +216,34 @@ def test_gpu_op_matches_reference(num_nodes):
 def test_gpu_opcheck():
     case = tuple(t.cuda() for t in random_case(3, 9, seed=2))
     torch.library.opcheck(torch.ops.treespec.verify_tree_greedy.default, case)
+
+
+@pytest.mark.parametrize(
+    "parents, match",
+    [
+        pytest.param([[-1, 0, 5]], r"parents\[0, 2\] = 5", id="parent-past-node"),
+        pytest.param([[-1, 2, 1]], r"parents\[0, 1\] = 2", id="cycle"),
+        pytest.param([[0, 0, 1]], "root's parent must be -1", id="root-not-minus-1"),
+        pytest.param([[-1, 1, 1]], r"parents\[0, 1\] = 1", id="self-loop"),
+    ],
+)
+def test_ops_refuse_parents_that_are_not_a_tree_on_cpu(parents, match):
+    """On CPU the value check is free, so the ops run it at the boundary: no silent garbage."""
+    p = torch.tensor(parents)
+    t = torch.zeros_like(p)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.treespec.verify_tree_greedy(p, t, t)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.treespec.build_ancestor_mask(p)
+
+
+def test_value_checks_on_cuda_are_opt_in(monkeypatch):
+    from treecompile.ops._common import values_checkable
+
+    cpu = torch.zeros(2, dtype=torch.int64)
+    assert values_checkable(cpu)
+    meta = torch.zeros(2, dtype=torch.int64, device="meta")  # stands in for a device tensor
+    monkeypatch.delenv("TREECOMPILE_CHECK_VALUES", raising=False)
+    assert not values_checkable(meta)
+    monkeypatch.setenv("TREECOMPILE_CHECK_VALUES", "1")
+    assert values_checkable(meta)
