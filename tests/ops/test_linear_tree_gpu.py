@@ -28,6 +28,22 @@ def random_parents(batch, n, seed):
     return torch.tensor(rows, dtype=torch.int64)
 
 
+def accepted_chain(parents, accept_len):
+    """A valid accepted path per request: the first ``accept_len`` nodes of the path to the last node."""
+    batch, n = parents.shape
+    path = torch.full((batch, n), -1, dtype=torch.int64)
+    lens = accept_len.clone()
+    for b in range(batch):
+        node, nodes = n - 1, []
+        while node >= 0:
+            nodes.append(node)
+            node = int(parents[b, node])
+        nodes = nodes[::-1][: int(accept_len[b])]
+        lens[b] = len(nodes)
+        path[b, : len(nodes)] = torch.tensor(nodes)
+    return path, lens
+
+
 @pytest.mark.parametrize("n", [1, 2, 16, 33, 64], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("kw", [2, 4], ids=lambda k: f"Kw{k}")
 def test_conv_tree_update_and_commit_on_cuda(n, kw):
@@ -44,16 +60,7 @@ def test_conv_tree_update_and_commit_on_cuda(n, kw):
     )
     torch.testing.assert_close(got.cpu().double(), want, atol=1e-4, rtol=1e-4)
 
-    accept_len = torch.tensor([min(n, 3), 1, n], dtype=torch.int64)
-    path = torch.full((batch, n), -1, dtype=torch.int64)
-    for b in range(batch):  # an ancestor chain ending at the last node: a valid accepted path
-        node, nodes = n - 1, []
-        while node >= 0:
-            nodes.append(node)
-            node = int(parents[b, node])
-        nodes = nodes[::-1][: int(accept_len[b])]
-        accept_len[b] = len(nodes)
-        path[b, : len(nodes)] = torch.tensor(nodes)
+    path, accept_len = accepted_chain(parents, torch.tensor([min(n, 3), 1, n]))
     want_state = state.clone()
     torch.ops.treespec.causal_conv1d_tree_commit(want_state, x, path, accept_len)
     got_state = state.float().cuda()
@@ -94,36 +101,11 @@ def test_gdn_tree_verify_and_replay_on_cuda(n):
     assert ws.cpu()[~branch].isnan().all()
     torch.testing.assert_close(pl.cpu().double(), pl64, atol=1e-5, rtol=1e-5)
 
-    accept_len = torch.tensor([n, 1, min(n, 2)], dtype=torch.int64)
-    path = torch.full((batch, n), -1, dtype=torch.int64)
-    for b in range(batch):
-        node, nodes = n - 1, []
-        while node >= 0:
-            nodes.append(node)
-            node = int(parents[b, node])
-        nodes = nodes[::-1][: int(accept_len[b])]
-        accept_len[b] = len(nodes)
-        path[b, : len(nodes)] = torch.tensor(nodes)
+    path, accept_len = accepted_chain(parents, torch.tensor([n, 1, min(n, 2)]))
     want_state = state.clone()
     torch.ops.treespec.gdn_replay_commit(want_state, pl64, path, accept_len)
     torch.ops.treespec.gdn_replay_commit(state_cu, pl, path.cuda(), accept_len.cuda())
     torch.testing.assert_close(state_cu.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
-
-
-def accepted_chain(parents, accept_len):
-    """A valid accepted path per request: the first ``accept_len`` nodes of the path to the last node."""
-    batch, n = parents.shape
-    path = torch.full((batch, n), -1, dtype=torch.int64)
-    lens = accept_len.clone()
-    for b in range(batch):
-        node, nodes = n - 1, []
-        while node >= 0:
-            nodes.append(node)
-            node = int(parents[b, node])
-        nodes = nodes[::-1][: int(accept_len[b])]
-        lens[b] = len(nodes)
-        path[b, : len(nodes)] = torch.tensor(nodes)
-    return path, lens
 
 
 @pytest.mark.parametrize("n", [1, 2, 16, 33, 64], ids=lambda n: f"N{n}")
