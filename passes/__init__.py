@@ -1,13 +1,16 @@
 """FX graph passes run by the treespec backend, one pass per file, each ``(gm, ctx) -> gm``.
 
-``PASSES`` is the explicit order: rewrite each HF attention layer's SDPA call into treespec ops, prove
-nothing was left behind, then delete the dead HF mask code and recompile.
+``PASSES`` is the explicit order: rewrite each HF attention layer's SDPA call into treespec ops, rewrite
+each linear-attention layer's (GDN, Mamba2) conv and recurrence seams into the tree ops (this pass proves
+its own rewrite complete), prove no attention was left behind, then delete the dead HF mask code and
+recompile.
 """
 
 from .check_attention_rewritten import check_attention_rewritten
 from .clean_up_graph import clean_up_graph
 from .rewrite_attention import rewrite_attention
+from .rewrite_linear_attention import rewrite_linear_attention
 
-PASSES: list = [rewrite_attention, check_attention_rewritten, clean_up_graph]
+PASSES: list = [rewrite_attention, rewrite_linear_attention, check_attention_rewritten, clean_up_graph]
 
-__all__ = ["PASSES", "rewrite_attention", "check_attention_rewritten", "clean_up_graph"]
+__all__ = ["PASSES", "rewrite_attention", "rewrite_linear_attention", "check_attention_rewritten", "clean_up_graph"]

@@ -122,6 +122,18 @@ class EagleDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+def _attention_shape(tcfg) -> tuple[int, int, int]:
+    """(heads, kv_heads, head_dim) of the head's decoder layer: the target's attention shape, or, for a
+    target without attention (pure Mamba2: its head_dim is the SSM's), heads of 64 channels."""
+    heads = getattr(tcfg, "num_attention_heads", None)
+    if heads:
+        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
+        return heads, getattr(tcfg, "num_key_value_heads", None) or heads, head_dim
+    head_dim = 64 if tcfg.hidden_size % 64 == 0 else tcfg.hidden_size
+    heads = tcfg.hidden_size // head_dim
+    return heads, heads, head_dim
+
+
 class EagleDrafter(nn.Module):
     """EAGLE-3 draft head (see the module docstring).
 
@@ -190,11 +202,11 @@ class EagleDrafter(nn.Module):
         draft_vocab_size = vocab if draft_vocab_size is None else int(draft_vocab_size)
         if not 1 <= draft_vocab_size <= vocab:
             raise ValueError(f"draft_vocab_size: must be in 1..{vocab} (the target's vocabulary), got {draft_vocab_size}")
-        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+        heads, kv_heads, head_dim = _attention_shape(tcfg)
+        intermediate = getattr(tcfg, "intermediate_size", None) or 4 * tcfg.hidden_size
         config = LlamaConfig(
-            vocab_size=vocab, hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
-            num_hidden_layers=1, num_attention_heads=tcfg.num_attention_heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", tcfg.num_attention_heads), head_dim=head_dim,
+            vocab_size=vocab, hidden_size=tcfg.hidden_size, intermediate_size=intermediate,
+            num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
             rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6), hidden_act=getattr(tcfg, "hidden_act", "silu"),
             max_position_embeddings=getattr(tcfg, "max_position_embeddings", 4096),
             rope_parameters=dict(getattr(tcfg, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),

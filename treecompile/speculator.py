@@ -18,18 +18,21 @@ token (the root) sits at position ``vc``:
 3. **Verify**: ``DraftTree.select`` -> ``TreeSpec.set_tree``; one target forward over N nodes at positions
    ``vc + depth`` (``TreeSpec.load_step``), KV slots ``vc + i``; greedy walk (``verify_tree_greedy``).
 4. **Compact**: ``compact_window_rows`` over every attention layer's K/V, ``TreeSpec.compact_rows`` over the
-   target hidden rows (the next step-0 features); then commit ``vc += accept_len``, the bonus becomes the root.
+   target hidden rows (the next step-0 features); then commit ``vc += accept_len``, the bonus becomes the root,
+   and linear-attention layers (GDN, Mamba2) commit their conv window and recurrent state along the accepted
+   path (``TargetBinding.commit_linear_state``: replay of the payload rows, or the staged node state).
 
 Prefill runs the prompt as chains of ``prefill_chunk`` rows through the same rewritten graph (padded rows
-write the dummy slot) and fills the draft cache with every prompt pair but the last, which step 0 of the
-first round takes. Requests that finished (EOS or max_new_tokens) stop committing; their rows keep
-replaying the same round harmlessly until the batch is done.
+write the dummy slot; linear-attention state commits each chunk's valid rows) and fills the draft cache with
+every prompt pair but the last, which step 0 of the first round takes. Requests that finished (EOS or
+max_new_tokens) stop committing; their rows keep replaying the same round harmlessly until the batch is done.
 
 Graph safety: every tensor a round reads or writes is allocated once per ``generate`` call (per batch) and
 updated in place; rounds contain no host syncs. The loop reads one flag per round (is any request still
 running?). With ``cuda_graphs=True`` (CUDA only) the draft round and the verify round are each captured
 once per batch size after an eager warm-up round and replayed; both are idempotent over the committed
-state (they only overwrite scratch rows past ``vc``), so warm-up and capture cannot corrupt a request.
+state (they only overwrite scratch rows past ``vc``, and linear-attention state is committed outside them,
+in the eager ``_commit``), so warm-up and capture cannot corrupt a request.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ class TreeSpeculator:
 
     Parameters
     ----------
-    model : HF causal LM (Llama, Qwen2, Qwen3, Mistral; SDPA attention), in eval mode.
+    model : HF causal LM (Llama, Qwen2, Qwen3, Mistral; hybrid Qwen3-Next, Qwen3.5; Mamba2; SDPA attention),
+        in eval mode.
     drafter : an :class:`~treecompile.drafter.EagleDrafter` (or anything with its round hooks).
     topk, steps, num_nodes : K candidates per step, S draft steps (step 0 included), N verify nodes.
         ``topk == 1`` is the chain: ``num_nodes`` becomes ``min(num_nodes, steps + 1)`` and
@@ -91,6 +95,11 @@ class TreeSpeculator:
     inductor : compile the rewritten target with Inductor (default: on CUDA only).
     cuda_graphs : capture and replay the draft and verify rounds (default: on CUDA).
     do_sample : only greedy is supported; True is refused at startup by capability resolution.
+    replay_ssm : linear-attention layers commit by replaying the accepted path's payload rows (default);
+        False stages every node's recurrent state and commits the last accepted node's (Mamba2 only; GDN
+        layers refuse it at startup).
+    ssm_state_dtype : dtype of the linear-attention recurrent state pools; default float32 (float64 for a
+        float64 model on CPU). Anything else is refused at startup.
     """
 
     def __init__(
@@ -108,6 +117,8 @@ class TreeSpeculator:
         inductor: bool | None = None,
         cuda_graphs: bool | None = None,
         do_sample: bool = False,
+        replay_ssm: bool = True,
+        ssm_state_dtype: torch.dtype | None = None,
     ) -> None:
         topk = _positive_int("topk", topk)
         steps = _positive_int("steps", steps)
@@ -148,13 +159,18 @@ class TreeSpeculator:
         self.max_batch_size = max_batch_size
 
         resolved = resolve_tree_support(
-            model, drafter, do_sample=do_sample, max_seq_len=self.max_seq_len, device=self.device, dtype=self.dtype
-        )
+            model, drafter, do_sample=do_sample, max_seq_len=self.max_seq_len, device=self.device, dtype=self.dtype,
+            replay_ssm=replay_ssm, state_dtype=ssm_state_dtype,
+        )  # fmt: skip
         self.model, self.drafter = model, drafter
         self.vocab_size = int(config.vocab_size)
+        # Rows per forward. Linear-attention pools (payload rows, conv inputs, the GDN workspace: a state per
+        # row) are sized by it, so hybrids bind only the rows they run; attention metadata is small.
+        max_rows = max(num_nodes, prefill_chunk) if resolved.linear_layers else MAX_NODES
         self.binding = TargetBinding(
-            model, max_batch_size, self.max_seq_len, max_rows=MAX_NODES, page_size=page_size,
-            layers=resolved.target_layers,
+            model, max_batch_size, self.max_seq_len, max_rows=max_rows, page_size=page_size,
+            layers=resolved.target_layers, linear_layers=resolved.linear_layers, replay_ssm=replay_ssm,
+            state_dtype=ssm_state_dtype,
         )  # fmt: skip
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)
@@ -337,6 +353,7 @@ class TreeSpeculator:
         for b, p in enumerate(prompts):
             history[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
         bound["history"].copy_(history)
+        self.binding.reset_linear_state()
         st = dict(bound)
         st.update(
             B=B,
@@ -394,6 +411,8 @@ class TreeSpeculator:
             ids = torch.where(valid, st["history"].gather(1, pos.clamp(max=cap - 1)), 0)
             self.binding.load(torch.minimum(L.new_full((B,), start), L), torch.where(valid, chain, 0), valid)
             logits, aux = self.runner(ids, torch.where(valid, pos, 0))
+            # Linear-attention state takes each request's valid rows of the chunk (a chain: rows 0..n-1).
+            self.binding.commit_linear_state(rows.expand(B, C), (L - start).clamp(0, C))
             has_last = (L - 1 >= start) & (L - 1 < start + C)
             row = (L - 1 - start).clamp(0, C - 1)
             last_logits = logits.gather(1, row.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
@@ -486,11 +505,13 @@ class TreeSpeculator:
         B, N = st["B"], self.num_nodes
         spec, vc = st["spec"], st["vc"]
         positions = spec.load_step(vc)
-        self.binding.load(vc, spec.ancestor_mask)
+        self.binding.load(vc, spec.ancestor_mask, parents=spec.parents)
         logits, aux = self.runner(st["tree_tokens"], positions)
         target_tokens = logits.float().argmax(-1)  # HF's greedy argmax runs on float32 logits too
         path, accept_len, bonus = torch.ops.treespec.verify_tree_greedy(spec.parents, st["tree_tokens"], target_tokens)
-        torch.ops.treespec.compact_window_rows(self.binding.kv_buffers(), self.binding.window_slots(B, N), path, accept_len)
+        kv = self.binding.kv_buffers()
+        if kv:  # a pure Mamba2 target has no KV cache
+            torch.ops.treespec.compact_window_rows(kv, self.binding.window_slots(B, N), path, accept_len)
         st["aux"].copy_(aux)
         spec.compact_rows(st["aux"], path, accept_len, vc)
         st["path"].copy_(path)
@@ -524,6 +545,8 @@ class TreeSpeculator:
         st["pend_n"].copy_(torch.where(running, alen, st["pend_n"]))
         st["root"].copy_(torch.where(running, bonus, st["root"]))
         vc.copy_(torch.where(running, vc + alen, vc))
+        # Linear-attention state follows the accepted path; finished requests keep theirs (length 0).
+        self.binding.commit_linear_state(st["path"], torch.where(running, alen, 0))
         finished = (first_eos < count) | (n_gen >= st["max_new"])
         running &= ~finished
 

@@ -20,6 +20,20 @@ untouched.
 
 Every call of a rewritten graph bumps :attr:`TargetBinding.calls`; :class:`TargetRunner` checks it so a
 Dynamo fallback to eager (recompile limit, a disabled stance) cannot silently run HF's own attention.
+
+Linear-attention layers (GDN, Mamba2)
+-------------------------------------
+For each recognised linear-attention layer the binding also owns (DESIGN.md, "Recurrent state follows the
+parent"): the committed conv window ``conv_state[i] [max_B, C, Kw - 1]`` and recurrent state
+``ssm_state[i] [max_B, *state_shape]`` (the pools verify only reads), the forward's pre-conv inputs
+``conv_x[i] [max_B, max_rows, C]`` (kept for the conv commit), and either the replay payload rows
+``payload[i] [max_B, max_rows, W]`` (replay, the default) or, for Mamba2 with ``replay_ssm=False``, every
+node's state ``scratch[i] [max_B, max_rows, *state_shape]``. GDN branch-point states go to ONE workspace
+per state geometry shared by all layers (``[max_B, max_rows, Hv, Dk, Dv]``). Each forward's tree arrives as
+``parents [max_B, max_rows]`` (written by :meth:`TargetBinding.load`); after acceptance
+:meth:`TargetBinding.commit_linear_state` advances the pools along the accepted path. Creating such a
+binding registers the layers' HF seams with Dynamo (``allow_in_graph``) so they reach the FX pass as single
+calls (see :mod:`treecompile.passes.rewrite_linear_attention`).
 """
 
 from __future__ import annotations
@@ -33,11 +47,11 @@ import torch
 
 from treecompile.kv_cache import PagedKVCache
 from treecompile.ops._common import MAX_NODES
-from treecompile.registry import AttentionLayer, attention_layers
+from treecompile.registry import AttentionLayer, LinearAttentionLayer, attention_layers, linear_attention_layers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TargetBinding", "TargetRunner", "bound", "active_binding", "chain_mask"]
+__all__ = ["TargetBinding", "TargetRunner", "bound", "active_binding", "chain_mask", "parents_from_ancestor_mask"]
 
 _state = threading.local()
 
@@ -65,6 +79,22 @@ def chain_mask(rows: int, device=None) -> torch.Tensor:
     return torch.tensor(words, dtype=torch.int64, device=device)
 
 
+def parents_from_ancestor_mask(ancestor_mask: torch.Tensor) -> torch.Tensor:
+    """``int64 [B, T]`` parents of the trees ``ancestor_mask [B, T]`` describes (row i's parent is its
+    highest ancestor bit below i; -1 when it has none, e.g. a root or a padded row). No host sync."""
+    T = ancestor_mask.shape[-1]
+    bit = torch.arange(T, device=ancestor_mask.device)
+    # [B, T, T]: bit j of row i, kept only for j < i (the row itself and later rows are not parents).
+    bits = ((ancestor_mask.unsqueeze(-1) >> bit) & 1).bool() & (bit[None, :] < bit[:, None])
+    highest = (T - 1) - bits.flip(-1).to(torch.int64).argmax(-1)
+    return torch.where(bits.any(-1), highest, torch.full_like(highest, -1))
+
+
+def _default_state_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    # Kernels keep fp32 states; the float64 CPU path (tests, the oracle) keeps fp64 ones.
+    return torch.float64 if (dtype == torch.float64 and device.type == "cpu") else torch.float32
+
+
 class TargetBinding:
     """Caches and per-forward metadata of one rewritten target model.
 
@@ -77,13 +107,22 @@ class TargetBinding:
     page_size : keys per cache page.
     dtype, device : cache storage; default the model's parameter dtype and device.
     layers : the recognised attention layers (default: :func:`treecompile.registry.attention_layers`).
+    linear_layers : the recognised linear-attention layers (default:
+        :func:`treecompile.registry.linear_attention_layers`).
+    replay_ssm : commit recurrent state by replaying the accepted path's payload rows (default); False
+        stages every node's state (Mamba2 only) and commits the last accepted node's.
+    state_dtype : recurrent state pools' dtype; default float32 (float64 for a float64 model on CPU).
 
     Attributes
     ----------
-    cache : PagedKVCache, one layer per recognised attention layer, indexed by ``AttentionLayer.index``.
+    cache : PagedKVCache, one layer per recognised attention layer, indexed by ``AttentionLayer.index``;
+        None for a model without attention layers (pure Mamba2).
     prefix_len : int64 [max_batch], the committed keys every row of a request sees.
     ancestor_mask : int64 [max_batch, max_rows], row r sees window key j iff bit j is set.
     slots : int64 [max_batch, max_rows], the cache slot row r's K/V is written to.
+    parents : int64 [max_batch, max_rows], row r's parent row (-1: the committed frontier).
+    conv_state, ssm_state, conv_x, payload, scratch : per linear layer (module docstring).
+    gdn_workspace : {state_shape: [max_batch, max_rows, Hv, Dk, Dv]}, shared by the GDN layers.
     calls : number of forwards the rewritten graphs ran with this binding.
     """
 
@@ -97,6 +136,9 @@ class TargetBinding:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         layers: list[AttentionLayer] | None = None,
+        linear_layers: list[LinearAttentionLayer] | None = None,
+        replay_ssm: bool = True,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_NODES:
             raise ValueError(f"max_rows: must be an int in 1..{MAX_NODES}, got {max_rows!r}")
@@ -105,28 +147,70 @@ class TargetBinding:
             if unrecognised:
                 names = ", ".join(u.describe() for u in unrecognised)
                 raise ValueError(f"model: unrecognised attention layers {names}; see resolve_tree_support")
-        if not layers:
+        if linear_layers is None:
+            linear_layers = linear_attention_layers(model)
+        if not layers and not linear_layers:
             raise ValueError(f"model: {type(model).__name__} has no recognised attention layer to bind")
-        geometry = {(layer.num_kv_heads, layer.head_dim) for layer in layers}
-        if len(geometry) != 1:
-            raise ValueError(f"model: attention layers differ in (num_kv_heads, head_dim): {sorted(geometry)}")
-        ((num_kv_heads, head_dim),) = geometry
         param = next(model.parameters())
         dtype = dtype or param.dtype
         device = torch.device(device) if device is not None else param.device
         self.layers = list(layers)
+        self.linear_layers = list(linear_layers)
         self.max_batch = max_batch
         self.max_rows = max_rows
-        self.cache = PagedKVCache(
-            len(layers), num_kv_heads, head_dim, max_batch, max_seq_len,
-            page_size=page_size, dtype=dtype, device=device,
-        )  # fmt: skip
-        self.capacity = self.cache.capacity
+        self.cache = None
+        self.capacity = max_seq_len
+        self._page_size = page_size
+        if self.layers:
+            geometry = {(layer.num_kv_heads, layer.head_dim) for layer in layers}
+            if len(geometry) != 1:
+                raise ValueError(f"model: attention layers differ in (num_kv_heads, head_dim): {sorted(geometry)}")
+            ((num_kv_heads, head_dim),) = geometry
+            self.cache = PagedKVCache(
+                len(layers), num_kv_heads, head_dim, max_batch, max_seq_len,
+                page_size=page_size, dtype=dtype, device=device,
+            )  # fmt: skip
+            self.capacity = self.cache.capacity
         self.prefix_len = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.ancestor_mask = torch.zeros(max_batch, max_rows, dtype=torch.int64, device=device)
         self.slots = torch.zeros(max_batch, max_rows, dtype=torch.int64, device=device)
         self._rows = torch.arange(max_rows, dtype=torch.int64, device=device)
+        self.parents = (self._rows - 1).expand(max_batch, max_rows).clone()  # a fresh binding holds the chain
+        self.replay_ssm = bool(replay_ssm)
+        self.state_dtype = state_dtype or _default_state_dtype(dtype, device)
+        self._bind_linear_state(dtype, device)
         self.calls = 0
+
+    def _bind_linear_state(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the linear-attention pools (module docstring) and expose the layers' HF seams to Dynamo."""
+        B, N = self.max_batch, self.max_rows
+        if self.linear_layers and self.state_dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"state_dtype: recurrent state pools must be float32 (or float64 on CPU), got {self.state_dtype}"
+            )
+        if self.linear_layers and self.state_dtype == torch.float64 and device.type != "cpu":
+            raise ValueError(f"state_dtype: float64 recurrent state is the CPU reference path only (device {device})")
+        if not self.replay_ssm:
+            gdn = [layer.name for layer in self.linear_layers if layer.family == "gdn"]
+            if gdn:
+                raise ValueError(f"replay_ssm: False has no staged GDN kernel (GDN layers {gdn[:2]} ...); use True")
+        self.conv_state, self.ssm_state, self.conv_x, self.payload, self.scratch = [], [], [], [], []
+        self.gdn_workspace: dict[tuple[int, ...], torch.Tensor] = {}
+        for layer in self.linear_layers:
+            state = layer.state_shape
+            self.conv_state.append(torch.zeros(B, layer.conv_dim, layer.conv_kernel - 1, dtype=dtype, device=device))
+            self.ssm_state.append(torch.zeros((B,) + state, dtype=self.state_dtype, device=device))
+            self.conv_x.append(torch.zeros(B, N, layer.conv_dim, dtype=dtype, device=device))
+            if self.replay_ssm:
+                self.payload.append(torch.zeros(B, N, layer.payload_width, dtype=self.state_dtype, device=device))
+            else:
+                self.scratch.append(torch.zeros((B, N) + state, dtype=self.state_dtype, device=device))
+            if layer.family == "gdn" and state not in self.gdn_workspace:
+                self.gdn_workspace[state] = torch.zeros((B, N) + state, dtype=self.state_dtype, device=device)
+        if self.linear_layers:
+            from treecompile.passes.rewrite_linear_attention import allow_seams_in_graph
+
+            allow_seams_in_graph(self.linear_layers)
 
     @property
     def device(self) -> torch.device:
@@ -134,7 +218,7 @@ class TargetBinding:
 
     @property
     def page_size(self) -> int:
-        return self.cache.page_size
+        return self.cache.page_size if self.cache is not None else self._page_size
 
     def layer_for(self, scope: str) -> AttentionLayer | None:
         """The bound layer a graph's ``nn_module_stack`` path names (``L['self'].model.layers.0.self_attn``
@@ -147,22 +231,45 @@ class TargetBinding:
     def graph_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors the pass registers on a GraphModule (name -> tensor, no copies)."""
         tensors = {
-            "page_table": self.cache.page_table,
             "prefix_len": self.prefix_len,
             "ancestor_mask": self.ancestor_mask,
             "slots": self.slots,
+            "parents": self.parents,
         }
+        if self.cache is not None:
+            tensors["page_table"] = self.cache.page_table
         for layer in self.layers:
             tensors[f"k{layer.index}"] = self.cache.k[layer.index]
             tensors[f"v{layer.index}"] = self.cache.v[layer.index]
+        for layer in self.linear_layers:
+            i = layer.index
+            tensors[f"conv_state{i}"] = self.conv_state[i]
+            tensors[f"ssm_state{i}"] = self.ssm_state[i]
+            tensors[f"conv_x{i}"] = self.conv_x[i]
+            if self.replay_ssm:
+                tensors[f"payload{i}"] = self.payload[i]
+            else:
+                tensors[f"scratch{i}"] = self.scratch[i]
+        for shape, workspace in self.gdn_workspace.items():
+            tensors[self.workspace_name(shape)] = workspace
         return tensors
 
+    @staticmethod
+    def workspace_name(state_shape: tuple[int, ...]) -> str:
+        """Graph-tensor name of the GDN workspace shared by the layers of one state geometry."""
+        return "gdn_workspace_" + "x".join(str(d) for d in state_shape)
+
     def load(
-        self, prefix_len: torch.Tensor, ancestor_mask: torch.Tensor, valid: torch.Tensor | None = None
+        self,
+        prefix_len: torch.Tensor,
+        ancestor_mask: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        parents: torch.Tensor | None = None,
     ) -> None:
         """Write the next forward's metadata in place (no host sync).
 
-        prefix_len : int64 [B]; ancestor_mask : int64 [B, T]; valid : bool [B, T] or None (all rows valid).
+        prefix_len : int64 [B]; ancestor_mask : int64 [B, T]; valid : bool [B, T] or None (all rows valid);
+        parents : int64 [B, T] or None (derived from ``ancestor_mask``), what linear-attention layers read.
         Row i of request b writes K/V to the slot of key ``prefix_len[b] + i``; an invalid row (padding)
         writes the cache's dummy slot instead.
         """
@@ -174,21 +281,55 @@ class TargetBinding:
             )
         if prefix_len.shape != (B,):
             raise ValueError(f"prefix_len: expected [{B}], got {tuple(prefix_len.shape)}")
-        keys = prefix_len.unsqueeze(1) + self._rows[:T]
-        slots = self.cache.slots(keys)
-        if valid is not None:
-            slots = torch.where(valid, slots, torch.full_like(slots, self.cache.dummy_slot))
+        if parents is not None and parents.shape != (B, T):
+            raise ValueError(f"parents: expected [{B}, {T}], got {tuple(parents.shape)}")
+        if self.cache is not None:
+            keys = prefix_len.unsqueeze(1) + self._rows[:T]
+            slots = self.cache.slots(keys)
+            if valid is not None:
+                slots = torch.where(valid, slots, torch.full_like(slots, self.cache.dummy_slot))
+            self.slots[:B, :T].copy_(slots)
         self.prefix_len[:B].copy_(prefix_len)
         self.ancestor_mask[:B, :T].copy_(ancestor_mask)
-        self.slots[:B, :T].copy_(slots)
+        if self.linear_layers:
+            self.parents[:B, :T].copy_(parents if parents is not None else parents_from_ancestor_mask(ancestor_mask))
 
     def window_slots(self, batch: int, rows: int) -> torch.Tensor:
         """The slots the last :meth:`load` assigned, ``int64 [batch, rows]`` (a view)."""
         return self.slots[:batch, :rows]
 
     def kv_buffers(self) -> list[torch.Tensor]:
-        """Every attention layer's K and V storage (what KV compaction moves)."""
+        """Every attention layer's K and V storage (what KV compaction moves; empty without attention)."""
         return [t for layer in self.layers for t in (self.cache.k[layer.index], self.cache.v[layer.index])]
+
+    def commit_linear_state(self, accepted_path: torch.Tensor, accept_len: torch.Tensor) -> None:
+        """Advance every linear layer's committed conv window and recurrent state along the accepted path
+        of the last forward (no host sync; a request with ``accept_len == 0`` keeps its state).
+
+        accepted_path : int64 [B, N] node indices root first, padded with -1 (a prefill chunk's is
+        ``arange(N)``); accept_len : int64 [B]. N is the last forward's row count.
+        """
+        B, N = accepted_path.shape
+        if accept_len.shape != (B,):
+            raise ValueError(f"accept_len: expected [{B}], got {tuple(accept_len.shape)}")
+        if B > self.max_batch or N > self.max_rows:
+            raise ValueError(f"accepted_path: [{B}, {N}] exceeds the binding's [{self.max_batch}, {self.max_rows}]")
+        ops = torch.ops.treespec
+        for layer in self.linear_layers:
+            i = layer.index
+            ops.causal_conv1d_tree_commit(self.conv_state[i][:B], self.conv_x[i][:B, :N], accepted_path, accept_len)
+            if not self.replay_ssm:
+                ops.ssm_commit_staged(self.ssm_state[i][:B], self.scratch[i][:B], accepted_path, accept_len)
+            elif layer.family == "gdn":
+                ops.gdn_replay_commit(self.ssm_state[i][:B], self.payload[i][:B], accepted_path, accept_len)
+            else:
+                ops.mamba2_replay_commit(self.ssm_state[i][:B], self.payload[i][:B], accepted_path, accept_len)
+
+    def reset_linear_state(self) -> None:
+        """Zero every committed conv window and recurrent state (a new generate call: nothing of an earlier
+        request may leak into the next)."""
+        for t in self.conv_state + self.ssm_state:
+            t.zero_()
 
     def note_call(self) -> None:
         self.calls += 1

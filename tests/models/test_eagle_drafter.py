@@ -175,3 +175,14 @@ def test_default_aux_layers_follow_eagle3_and_clamp_for_tiny_targets():
     assert default_aux_layers(32) == (2, 16, 29)
     assert default_aux_layers(2) == (1, 1, 1)
     assert default_aux_layers(4) == (2, 2, 1)
+
+
+def test_for_target_sizes_a_head_for_a_model_without_attention():
+    """Pure Mamba2 configs have no attention heads or MLP width: the head picks 64-channel heads."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2,
+                          head_dim=16, num_heads=8, n_groups=1, conv_kernel=4, chunk_size=8)  # fmt: skip
+    drafter = EagleDrafter.for_target(Mamba2ForCausalLM(config), seed=0)
+    assert drafter.config.num_attention_heads == 1 and drafter.config.head_dim == 64
+    assert drafter.config.intermediate_size == 256

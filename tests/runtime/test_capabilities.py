@@ -84,22 +84,30 @@ def test_attention_sinks_are_refused():
 
 
 def test_unrecognised_attention_class_is_refused_never_passed_through():
-    """Qwen3-Next: GDN layers and its gated attention class are both unknown to the registry."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    """A layer whose attention class the registry does not know is refused, never run untouched: here a
+    Llama whose second layer carries a user-defined attention module and whose first carries a subclass
+    of a supported class from outside transformers (a patched class may compute something else)."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
 
-    config = Qwen3NextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
-        mlp_only_layers=[],
-    )  # fmt: skip
+    class FancyAttention(torch.nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states, None
+
+    class PatchedLlamaAttention(LlamaAttention):
+        pass
+
+    model = tiny()
+    first = model.model.layers[0].self_attn
+    patched = PatchedLlamaAttention(model.config, layer_idx=0)
+    patched.load_state_dict(first.state_dict())
+    model.model.layers[0].self_attn = patched
+    model.model.layers[1].self_attn = FancyAttention()
     with pytest.raises(ValueError) as excinfo:
-        resolve_tree_support(Qwen3NextForCausalLM(config), max_seq_len=64)
+        resolve_tree_support(model, max_seq_len=64)
     found = blockers(excinfo)
-    assert len(found) == 2
-    assert any("Qwen3NextGatedDeltaNet): unrecognised attention class" in b for b in found)
-    assert any("Qwen3NextAttention): unrecognised attention class" in b for b in found)
+    assert len(found) == 2, found
+    assert any("FancyAttention): unrecognised attention class" in b for b in found)
+    assert any("PatchedLlamaAttention): unrecognised attention class" in b for b in found)
 
 
 def test_greedy_only_sampler_asked_to_sample():
