@@ -1,9 +1,72 @@
-"""The ``treecompile`` console script."""
+"""The ``treecompile`` console script.
+
+Commands:
+- ``treecompile demo``: SmolLM2 + the shipped draft head, tree speculation against plain greedy decoding
+  (:mod:`treecompile.demo`).
+- ``treecompile train-drafter``: train an EAGLE-3 head for a target on its own greedy continuations
+  (:mod:`treecompile.train`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train-drafter",
+        help="train an EAGLE-3 draft head on the target's own greedy continuations",
+        description="Self-distill an EAGLE-3 draft head: generate the target's greedy continuations of the "
+        "training prompts (cached in OUT/data, resumable), pick the draft vocabulary, train with "
+        "training-time test, checkpoint to OUT and write the layout EagleDrafter.from_pretrained reads.",
+    )
+    p.add_argument("--target", default="smollm2", help="'smollm2' (the embedded default) or an HF model path/id")
+    p.add_argument("--out", required=True, help="output directory (data cache, checkpoint, exported head)")
+    p.add_argument("--prompts", type=int, default=None, help="use the first N prompts of the seeded order (default all)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="continuation length per prompt (default 128)")
+    p.add_argument("--gen-batch-size", type=int, default=32, help="prompts per generate call (default 32)")
+    p.add_argument("--steps", type=int, default=1000, help="total optimizer steps (default 1000)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per training step (default 8)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument("--freeze-lm-head", action="store_true",
+                   help="keep the lm_head rows copied from the target (regularizes small data sets)")
+    p.add_argument("--schedule-steps", type=int, default=None, help="cosine schedule horizon (default --steps)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default 8192)")
+    p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test steps after step 0 (default 2)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint interval in steps (default 50)")
+    p.add_argument("--export-dtype", default="float16", choices=("float16", "bfloat16", "float32"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="SmolLM2 + the shipped head: tree speculation vs plain greedy decoding",
+        description="Load SmolLM2-135M-Instruct and the draft head shipped with treecompile, generate for a few "
+        "chat prompts with tree speculation and with plain greedy decoding (HF generate), and print the texts, "
+        "tau (mean accepted tokens per round), tokens/s of both and whether the outputs match.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object line (tau, tokens_per_s_tree, "
+                   "tokens_per_s_plain, outputs_match, device, ...)")  # fmt: skip
+    p.add_argument("--device", default=None, help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default 96)")
+    p.add_argument("--prompts", type=int, default=None, help="use only the first N demo prompts")
+    p.add_argument("--head", default=None, help="a draft head directory (default: the shipped one)")
+    p.add_argument("--tree", default=None, metavar="K,S,N", help="override the tree shape: topk,steps,num_nodes")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,17 +77,82 @@ def build_parser() -> argparse.ArgumentParser:
         description="Draft-tree speculative decoding for Hugging Face models (torch.compile backend 'treespec').",
     )
     parser.add_argument("--version", action="version", version=f"treecompile {__version__}")
-    parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    _add_demo(sub)
+    _add_train(sub)
     return parser
+
+
+def _threads(n: int) -> None:
+    import os
+
+    import torch
+
+    if n < 1:
+        raise ValueError(f"threads: expected a positive int, got {n}")
+    torch.set_num_threads(min(n, os.cpu_count() or n))
+
+
+def _run_train(args, argv) -> int:
+    from treecompile.train import TrainConfig, train_drafter
+
+    _threads(args.threads)
+    cfg = TrainConfig(
+        out=args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size,
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, schedule_steps=args.schedule_steps,
+        draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, checkpoint_every=args.checkpoint_every,
+        seed=args.seed, resume=args.resume, export_dtype=args.export_dtype, weight_decay=args.weight_decay,
+        freeze_lm_head=args.freeze_lm_head,
+    )  # fmt: skip
+    summary = train_drafter(cfg, target_name=args.target, device=args.device or _default_device(),
+                            progress=not args.no_progress, argv=argv)  # fmt: skip
+    logging.getLogger("treecompile").info(
+        "done: %d steps, final loss %.4f, top-1 agreement per TTT step %s; head in %s", summary["steps"],
+        summary["final_loss_mean_last_20"], [round(a, 3) for a in summary["final_top1_acc_per_ttt_step"]], args.out,
+    )  # fmt: skip
+    return 0
+
+
+def _run_demo(args) -> int:
+    from treecompile.demo import run_demo
+
+    _threads(args.threads)
+    tree = None
+    if args.tree:
+        try:
+            tree = tuple(int(x) for x in args.tree.split(","))
+            if len(tree) != 3:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"tree: expected three ints K,S,N (e.g. 2,4,8), got {args.tree!r}") from None
+    return run_demo(device=args.device or _default_device(), max_new_tokens=args.max_new_tokens, as_json=args.json,
+                    prompts=args.prompts, head=args.head, tree=tree)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(raw)
     if args.command is None:
         parser.print_help()
         return 0
-    return 0
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)  # fmt: skip
+    try:
+        if args.command == "train-drafter":
+            return _run_train(args, raw[raw.index("train-drafter") + 1 :])
+        if args.command == "demo":
+            return _run_demo(args)
+    except (ValueError, ImportError) as exc:
+        # Bad input and missing packages are the user's to fix: one clear line, no traceback.
+        print(f"treecompile {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"treecompile {args.command}: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

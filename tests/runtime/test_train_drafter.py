@@ -1,0 +1,263 @@
+"""``treecompile train-drafter``: the training forward is exactly what the drafter computes at inference
+(step 0 and training-time-test steps against the paged draft cache and lanes, float64), the draft
+vocabulary, resumability (interrupted data generation, checkpoints, Ctrl-C, resume == uninterrupted run),
+the exported layout loading into a lossless TreeSpeculator, and clear errors on bad input.
+
+The CLI runs end to end on a tiny random Llama with a character-level tokenizer saved as an HF directory
+(``--target <path>``), so these tests need neither the network nor SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+import treecompile.train as train
+from treecompile.cli import main
+from treecompile.drafter import EagleDrafter
+from treecompile.target import chain_mask
+
+VOCAB_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: intra-op threads only add spin-wait contention on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def char_tokenizer():
+    """A character-level HF tokenizer (vocab 99: <unk>, <eos>, <pad>, printable ASCII, newline) with a
+    tiny chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2}
+    for c in VOCAB_CHARS:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return fast
+
+
+def tiny_llama(vocab=99, seed=0, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=2)  # fmt: skip
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_target")
+    tiny_llama().save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+def cli_args(target_dir, out, steps, *extra):
+    return ["train-drafter", "--target", str(target_dir), "--out", str(out), "--prompts", "6",
+            "--max-new-tokens", "6", "--gen-batch-size", "4", "--steps", str(steps), "--batch-size", "2",
+            "--draft-vocab", "40", "--checkpoint-every", "2", "--threads", "1", "--no-progress", "--device", "cpu",
+            *extra]  # fmt: skip
+
+
+def checkpoint(out):
+    return torch.load(out / train.CHECKPOINT, weights_only=False)
+
+
+# ---- the training forward is the inference forward ------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,J", [(1, 1), (9, 3), (33, 2)], ids=["T1-J1", "T9-J3", "T33-J2"])
+def test_ttt_forward_equals_the_drafters_chain_and_lanes(T, J):
+    """Row b of TTT step j equals a lane row at depth j of the round whose step-0 row sat at position b:
+    step 0 through the paged draft cache, then j chain lanes (K=1) over the lane window, float64."""
+    model = tiny_llama(vocab=64, dtype=torch.float64)
+    head = EagleDrafter.for_target(model, seed=1)
+    g = torch.Generator().manual_seed(T)
+    feats = torch.randn(1, T, 3 * 32, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 64, (1, T + J + 1), generator=g)
+    with torch.no_grad():
+        outs = train.ttt_forward(head, feats, tokens, J)
+        assert [tuple(o.shape) for o in outs] == [(1, T, 32)] * (J + 1)
+        for b in sorted({0, T // 2, T - 1}):
+            cache = head.new_cache(1, T + J + 8, page_size=4)
+            pos = torch.arange(b + 1)[None]
+            out0 = head.forward_rows(cache, head.project(feats[:, : b + 1]), tokens[:, 1 : b + 2], pos,
+                                     cache.slots(pos), torch.tensor([0]), chain_mask(b + 1)[None], b + 1)  # fmt: skip
+            torch.testing.assert_close(outs[0][0, b], out0[0, b], rtol=1e-10, atol=1e-10)
+            hidden, vc = out0[:, b : b + 1], b + 1
+            for s in range(1, J + 1):
+                hidden = head.forward_rows(
+                    cache, hidden, tokens[:, b + s + 1 : b + s + 2], torch.tensor([[vc - 1 + s]]),
+                    cache.slots(torch.tensor([[vc + s - 1]])), torch.tensor([vc]), torch.tensor([[(1 << s) - 1]]), J,
+                )  # fmt: skip
+                torch.testing.assert_close(outs[s][0, b], hidden[0, 0], rtol=1e-10, atol=1e-10)
+
+
+def test_ttt_forward_has_gradients_for_everything_the_head_owns():
+    model = tiny_llama(vocab=64)
+    head = EagleDrafter.for_target(model, seed=1)
+    for p in head.embed.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    outs = train.ttt_forward(head, torch.randn(2, 5, 96, generator=g), torch.randint(0, 64, (2, 8), generator=g), 2)
+    sum(head.logits(o).square().mean() for o in outs).backward()
+    missing = [n for n, p in head.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
+    assert missing == [] and model.get_input_embeddings().weight.grad is None
+
+
+# ---- draft vocabulary --------------------------------------------------------------------------------------
+
+
+def _record(prompt, generated, alternatives):
+    tokens = torch.tensor(prompt + generated, dtype=torch.int32)
+    return {"tokens": tokens, "prompt_len": len(prompt), "features": torch.zeros(len(tokens) - 1, 3),
+            "target_ids": torch.tensor(alternatives, dtype=torch.int32),
+            "target_logp": torch.zeros(len(alternatives), len(alternatives[0]), dtype=torch.float16)}  # fmt: skip
+
+
+def test_draft_vocab_takes_the_most_frequent_generated_tokens():
+    # Generated: 7 x3, 5 x2, 9 x1; prompt tokens (30, 31) never count; alternatives 20 (x2) > 21 (x1).
+    records = [_record([30, 31], [7, 5, 7], [[7, 20], [5, 21], [7, 20]]), _record([31], [7, 9, 5], [[7, 1], [9, 1], [5, 1]])]
+    draft_ids, d2t, t2d = train.build_draft_vocab(records, vocab_size=40, draft_vocab=3)
+    assert draft_ids.tolist() == [5, 7, 9]
+    assert (torch.arange(3) + d2t).tolist() == [5, 7, 9] and t2d.nonzero().flatten().tolist() == [5, 7, 9]
+    # Fewer distinct generated tokens than asked: alternatives by count (1 x3 > 20 x2 > 21 x1), then low ids.
+    draft_ids, _, t2d = train.build_draft_vocab(records, vocab_size=40, draft_vocab=7)
+    assert draft_ids.tolist() == [0, 1, 5, 7, 9, 20, 21] and int(t2d.sum()) == 7
+    with pytest.raises(ValueError, match="draft_vocab: must be in 1..40"):
+        train.build_draft_vocab(records, vocab_size=40, draft_vocab=41)
+
+
+# ---- the CLI end to end: resume, interruption, export ---------------------------------------------------
+
+
+def test_resume_continues_from_the_checkpoint_and_equals_an_uninterrupted_run(target_dir, tmp_path, caplog):
+    out = tmp_path / "head"
+    assert main(cli_args(target_dir, out, 4, "--schedule-steps", "8")) == 0
+    assert checkpoint(out)["step"] == 4
+    shards = sorted((out / "data").glob("gen_*.pt"))
+    assert [s.name for s in shards] == ["gen_00000_00004.pt", "gen_00004_00006.pt"]
+    stamps = [s.stat().st_mtime_ns for s in shards]
+    with caplog.at_level(logging.INFO, logger="treecompile.train"):
+        assert main(cli_args(target_dir, out, 8, "--resume")) == 0
+    assert "resuming from step 4" in caplog.text
+    assert "2 of 2 shards already generated" in caplog.text  # finished data is not regenerated
+    assert [s.stat().st_mtime_ns for s in shards] == stamps
+    state = checkpoint(out)
+    assert state["step"] == 8 and [h["step"] for h in state["history"]] == list(range(1, 9))
+
+    straight = tmp_path / "straight"
+    assert main(cli_args(target_dir, straight, 8)) == 0
+    other = checkpoint(straight)
+    for name, tensor in state["head"].items():
+        assert torch.equal(tensor, other["head"][name]), name
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["steps"] == 8 and summary["sequences"] == 6 and summary["draft_vocab"] == 40
+    assert summary["command"].startswith("treecompile train-drafter --target")
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes(target_dir, tmp_path, monkeypatch):
+    out = tmp_path / "head"
+    calls = []
+    real = train.ttt_forward
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "ttt_forward", interrupted)
+    assert main(cli_args(target_dir, out, 6)) == 130
+    assert checkpoint(out)["step"] == 2  # steps 1 and 2 finished; step 3 was cut
+    monkeypatch.setattr(train, "ttt_forward", real)
+    assert main(cli_args(target_dir, out, 6, "--resume")) == 0
+    assert checkpoint(out)["step"] == 6
+
+
+def test_interrupted_generation_regenerates_only_what_is_missing(target_dir, tmp_path, monkeypatch):
+    out = tmp_path / "head"
+    assert main(cli_args(target_dir, out, 1)) == 0
+    (out / "data" / "gen_00004_00006.pt").unlink()  # as if the run died during the second batch
+    (out / "data" / "gen_00000_00004.pt").with_name(".gen_00004_00006.pt.tmp-1").write_bytes(b"partial")
+    spans = []
+    real = train._generate_shard
+
+    def counting(model, prompt_ids, *args):
+        spans.append(len(prompt_ids))
+        return real(model, prompt_ids, *args)
+
+    monkeypatch.setattr(train, "_generate_shard", counting)
+    assert main(cli_args(target_dir, out, 2, "--resume")) == 0
+    assert spans == [2]
+    assert checkpoint(out)["step"] == 2
+
+
+def test_exported_head_loads_and_speculates_losslessly(target_dir, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from treecompile.speculator import TreeSpeculator
+
+    out = tmp_path / "head"
+    assert main(cli_args(target_dir, out, 2)) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 40 and config["target_hidden_size"] == 32
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in (2, 2, 1)]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.float16
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
+    assert any(n.startswith("midlayer.") for n in names) and not any(n.startswith("embed_tokens") for n in names)
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    head = EagleDrafter.from_pretrained(out, model)
+    draft_ids = checkpoint(out)["draft_ids"]
+    assert torch.equal(torch.arange(40) + head.d2t, draft_ids) and torch.equal(head.t2d.nonzero().flatten(), draft_ids)
+    spec = TreeSpeculator(model, head, topk=2, steps=3, num_nodes=6, max_batch_size=1, max_seq_len=128, page_size=16)
+    ids = torch.tensor([train.chat_ids(char_tokenizer(), "hello")])
+    got = spec.generate(ids, max_new_tokens=12, eos_token_id=1).sequences
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              eos_token_id=1, pad_token_id=2)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, capsys):
+    out = tmp_path / "head"
+    assert main(cli_args(target_dir, out, 1, "--resume")) == 2
+    assert "resume:" in capsys.readouterr().err and not (out / "data").exists()
+    assert main(cli_args(target_dir, out, 1)) == 0
+    assert main(cli_args(target_dir, out, 2)) == 2  # a checkpoint exists: never silently start over
+    assert "pass --resume" in capsys.readouterr().err
+    big = cli_args(target_dir, tmp_path / "big", 1)
+    big[big.index("--draft-vocab") + 1] = "500"
+    assert main(big) == 2
+    assert "draft_vocab: must be in 1..99" in capsys.readouterr().err
+    changed = cli_args(target_dir, out, 2, "--resume")
+    changed[changed.index("--max-new-tokens") + 1] = "7"
+    assert main(changed) == 2  # cached data from other settings is never mixed in
+    assert "max_new_tokens" in capsys.readouterr().err
+    assert main(cli_args(target_dir, tmp_path / "zero", 0)) == 2
+    assert "steps: expected a positive int" in capsys.readouterr().err

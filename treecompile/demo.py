@@ -1,0 +1,197 @@
+"""``treecompile demo``: SmolLM2-135M-Instruct with the shipped EAGLE-3 head, tree speculation against plain
+greedy decoding, on the machine at hand.
+
+For each demo prompt (:func:`treecompile.prompts.demo_prompts`, chat template applied, batch 1) it runs
+:class:`~treecompile.speculator.TreeSpeculator` with a tree shape picked for the device, and plain greedy
+decoding with HF ``model.generate(do_sample=False)`` (eager, HF's dynamic KV cache): the reference the
+speculation must equal token for token, and the plain decode it is timed against. Both run interleaved,
+prompt by prompt, after a warm-up of each (compilation is not timed).
+
+Reported: the texts, tau (tokens each tree round emits, bonus included, averaged over all rounds of all
+prompts), tokens/s of both, and whether every output matches. ``--json`` prints one JSON object line with
+the keys ``tau``, ``tokens_per_s_tree``, ``tokens_per_s_plain``, ``outputs_match``, ``device`` (relied on)
+plus ``speedup``, ``plain`` (what the plain decode was), ``tree`` (its shape), ``new_tokens``, ``rounds``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_demo", "demo_results", "shipped_head_path", "tree_for_device"]
+
+# Tree shapes (topk, steps, num_nodes) that pay per device. On the 2-core CPU a verify forward of N rows
+# costs about as much as N / 4 plain decode steps once N passes ~8 (the matmuls stop being weight-read
+# bound), so small trees win there: see heads/README.md for the table this choice comes from.
+CPU_TREE = (2, 4, 8)
+# A GPU verify of up to 64 rows costs about one decode step (weight-read bound): a deep, wide tree.
+CUDA_TREE = (4, 6, 32)
+PAGE_SIZE = 64
+
+
+def shipped_head_path(name: str = "smollm2") -> Path:
+    """Directory of the draft head shipped in the package (``treecompile/heads/<name>``)."""
+    path = Path(str(importlib.resources.files("treecompile") / "heads" / name))
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise ValueError(
+            f"head: the shipped draft head is missing from {path} (config.json + model.safetensors); reinstall "
+            f"treecompile, or train one with `treecompile train-drafter --out DIR` and pass --head DIR"
+        )
+    return path
+
+
+def tree_for_device(device: torch.device) -> tuple[int, int, int]:
+    """The hard-coded tree shape that pays on ``device`` (see :data:`CPU_TREE`, :data:`CUDA_TREE`)."""
+    return CUDA_TREE if device.type == "cuda" else CPU_TREE
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _trim(tokens: list[int], eos: list[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def demo_results(
+    device: str | torch.device = "cpu",
+    max_new_tokens: int = 96,
+    prompts: int | None = None,
+    head: str | None = None,
+    tree: tuple[int, int, int] | None = None,
+) -> dict:
+    """Run the demo and return its results (what ``--json`` prints, plus per-prompt texts under
+    ``"outputs"``). Raises ``ValueError`` on bad arguments and :class:`treecompile.models.MissingDependencyError`
+    (an ``ImportError`` naming what to install) when SmolLM2's package is missing."""
+    from treecompile.drafter import EagleDrafter
+    from treecompile.models import load_smollm2
+    from treecompile.prompts import demo_prompts
+    from treecompile.speculator import TreeSpeculator
+    from treecompile.train import chat_ids
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= 1024:
+        raise ValueError(f"max_new_tokens: expected an int in 1..1024, got {max_new_tokens!r}")
+    texts = demo_prompts()
+    if prompts is not None:
+        if isinstance(prompts, bool) or not isinstance(prompts, int) or not 1 <= prompts <= len(texts):
+            raise ValueError(f"prompts: expected an int in 1..{len(texts)} (the demo prompts), got {prompts!r}")
+        texts = texts[:prompts]
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' asked for, but no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: the demo runs on 'cpu' or 'cuda', got {device}")
+    head_path = Path(head) if head is not None else shipped_head_path()
+    if not (head_path / "config.json").is_file():  # checked before the target loads
+        raise ValueError(f"head: {str(head_path)!r} has no config.json (expected an EAGLE-3 head directory)")
+    topk, steps, num_nodes = tree if tree is not None else tree_for_device(device)
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # no fast bf16 matmul on most CPUs
+    model, tokenizer = load_smollm2(dtype=dtype, device=device)
+    drafter = EagleDrafter.from_pretrained(head_path, model)
+    eos = [int(e) for e in ([model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
+                            else model.generation_config.eos_token_id or [])]  # fmt: skip
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    ids = [torch.tensor([chat_ids(tokenizer, t)], device=device) for t in texts]
+    longest = max(x.shape[1] for x in ids)
+    # The CPU attention reference reads every slot the cache can address: size it to this run, not 4096.
+    need = longest + max_new_tokens + num_nodes + 1
+    max_seq_len = -(-need // PAGE_SIZE) * PAGE_SIZE
+    spec = TreeSpeculator(model, drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=1,
+                          max_seq_len=max_seq_len, page_size=PAGE_SIZE)  # fmt: skip
+
+    def plain(x, n):
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, num_beams=1,
+                                 temperature=None, top_p=None, top_k=None, eos_token_id=eos or None,
+                                 pad_token_id=pad)  # fmt: skip
+        return out[0, x.shape[1]:].tolist()
+
+    t0 = time.perf_counter()
+    spec.generate(ids[0], max_new_tokens=min(4, max_new_tokens), eos_token_id=eos or None)  # compiles the graphs
+    plain(ids[0], min(4, max_new_tokens))
+    warmup_s = time.perf_counter() - t0
+    logger.info("demo: warm-up (graph compilation) took %.1f s", warmup_s)
+
+    outputs, t_tree, t_plain, n_tree, n_plain, accepted, rounds = [], 0.0, 0.0, 0, 0, 0, 0
+    for text, x in zip(texts, ids):
+        _sync(device)
+        t = time.perf_counter()
+        res = spec.generate(x, max_new_tokens=max_new_tokens, eos_token_id=eos or None)
+        _sync(device)
+        t_tree += time.perf_counter() - t
+        tree_tokens = _trim(res.sequences[0, x.shape[1]:].tolist(), eos)
+        t = time.perf_counter()
+        plain_tokens = _trim(plain(x, max_new_tokens), eos)
+        _sync(device)
+        t_plain += time.perf_counter() - t
+        alen = res.accept_lengths[:, 0]
+        alen = alen[alen > 0]
+        accepted += int(alen.sum())
+        rounds += int(alen.numel())
+        n_tree += len(tree_tokens)
+        n_plain += len(plain_tokens)
+        outputs.append({
+            "prompt": text,
+            "text": tokenizer.decode(tree_tokens, skip_special_tokens=True),
+            "plain_text": tokenizer.decode(plain_tokens, skip_special_tokens=True),
+            "match": tree_tokens == plain_tokens,
+            "new_tokens": len(tree_tokens),
+            "tau": float(alen.float().mean()) if alen.numel() else 0.0,
+        })  # fmt: skip
+    tps_tree = n_tree / t_tree if t_tree > 0 else 0.0
+    tps_plain = n_plain / t_plain if t_plain > 0 else 0.0
+    return {
+        "tau": round(accepted / max(rounds, 1), 3),
+        "tokens_per_s_tree": round(tps_tree, 2),
+        "tokens_per_s_plain": round(tps_plain, 2),
+        "outputs_match": all(o["match"] for o in outputs),
+        "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
+        "speedup": round(tps_tree / tps_plain, 3) if tps_plain > 0 else None,
+        "plain": "hf_generate_eager",
+        "tree": {"topk": topk, "steps": steps, "num_nodes": num_nodes},
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "new_tokens": n_tree,
+        "rounds": rounds,
+        "warmup_s": round(warmup_s, 1),
+        "outputs": outputs,
+    }
+
+
+def run_demo(device="cpu", max_new_tokens: int = 96, as_json: bool = False, prompts: int | None = None,
+             head: str | None = None, tree: tuple[int, int, int] | None = None) -> int:  # fmt: skip
+    """The ``treecompile demo`` command: run :func:`demo_results` and print it (one JSON line with
+    ``as_json``). Returns the process exit status (1 when the outputs differ)."""
+    res = demo_results(device=device, max_new_tokens=max_new_tokens, prompts=prompts, head=head, tree=tree)
+    if as_json:
+        print(json.dumps({k: v for k, v in res.items() if k != "outputs"}))
+    else:
+        k, s, n = res["tree"]["topk"], res["tree"]["steps"], res["tree"]["num_nodes"]
+        for i, o in enumerate(res["outputs"]):
+            print(f"--- prompt {i + 1}: {o['prompt']}")
+            print(o["text"].strip())
+            print(f"    [{o['new_tokens']} tokens, tau {o['tau']:.2f}, matches plain greedy: {o['match']}]")
+            if not o["match"]:
+                print(f"    plain greedy said: {o['plain_text'].strip()}")
+        print("---")
+        print(f"device {res['device']} ({res['dtype']}, {res['threads']} threads); tree topk={k} steps={s} num_nodes={n}")
+        print(f"tau (mean tokens per tree round): {res['tau']:.2f}")
+        print(f"tree speculation: {res['tokens_per_s_tree']:.1f} tokens/s")
+        print(f"plain greedy (HF generate, eager): {res['tokens_per_s_plain']:.1f} tokens/s")
+        print(f"speedup: {res['speedup']}x; outputs identical to plain greedy: {res['outputs_match']}")
+    return 0 if res["outputs_match"] else 1

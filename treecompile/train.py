@@ -1,0 +1,682 @@
+"""``treecompile train-drafter``: train an EAGLE-3 draft head for an HF target on self-distilled data.
+
+Three stages, each resumable from what it left in the output directory ``DIR``:
+
+1. **Data** (``DIR/data/gen_<start>_<stop>.pt``, one shard per generation batch): the target's own greedy
+   continuations of the training prompts (:func:`treecompile.prompts.training_prompts`, chat template
+   applied), produced by HF ``generate`` in batches. While generating, the shard records what training
+   needs, so the target never runs twice: the aux hidden states EAGLE-3 fuses (HF ``hidden_states`` at
+   ``aux_layers``) at every position but the last, and the target's top-k log-probs at every generated
+   position. A finished shard is never regenerated.
+2. **Draft vocabulary**: the V most frequent tokens the target generated (ties to the lower id), padded
+   with its next most likely alternatives when fewer occur; ``d2t`` / ``t2d`` as in EAGLE-3.
+3. **Training** (``DIR/checkpoint.pt`` every ``--checkpoint-every`` steps, and on Ctrl-C): EAGLE-3's
+   objective. Draft position p holds the pair (fused target hidden at p, token at p + 1) and predicts the
+   token at p + 2 against the target's distribution there (soft cross-entropy over the top-k restricted to
+   the draft vocabulary). Training-time test (``--ttt-steps J``, EAGLE-3): step j feeds the head's own
+   step j-1 output at base b with the token at b + j + 1 at position b + j, attending to the step-0 keys
+   of positions <= b plus its own chain's keys of steps 1..j, which is exactly what a lane row sees at
+   inference (:meth:`EagleDrafter.draft_lanes`); step j's loss is weighted 0.8^j. The head's ``lm_head``
+   and ``norm`` start from the target's (its rows for the draft vocabulary).
+
+Every checkpoint also exports the layout :meth:`EagleDrafter.from_pretrained` reads: ``DIR/config.json``
+and ``DIR/model.safetensors`` (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; float16 by
+default), plus ``DIR/training.json`` (the command, data size, steps, time, losses).
+
+Shapes: B sequences, T pair positions (sequence length - 1), F = len(aux_layers) * H_target features,
+H head width, Vd draft vocabulary, k recorded top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "TrainConfig",
+    "train_drafter",
+    "load_target",
+    "chat_ids",
+    "generate_data",
+    "build_draft_vocab",
+    "init_head",
+    "ttt_forward",
+    "export_head",
+]
+
+DATA_FORMAT = 1
+CHECKPOINT = "checkpoint.pt"
+STEP_WEIGHT = 0.8  # EAGLE-3's per-step loss decay over training-time-test steps
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Options of :func:`train_drafter` (the CLI flags of ``treecompile train-drafter``)."""
+
+    out: str
+    prompts: int | None = None  # first N of the seeded prompt order; None = all
+    max_new_tokens: int = 128
+    gen_batch_size: int = 32
+    steps: int = 1000
+    batch_size: int = 8  # sequences per training step
+    lr: float = 1e-3
+    schedule_steps: int | None = None  # cosine horizon; default ``steps``
+    warmup_steps: int = 20
+    draft_vocab: int = 8192
+    ttt_steps: int = 2  # extra training-time-test steps after step 0
+    topk_targets: int = 8
+    checkpoint_every: int = 50
+    seed: int = 0
+    resume: bool = False
+    export_dtype: str = "float16"
+    max_hours: float | None = None  # stop (checkpointed) after this much training wall time
+    freeze_lm_head: bool = False  # keep the target's own output rows: fewer weights to overfit small data
+    weight_decay: float = 0.0
+
+    def validate(self) -> None:
+        for name in ("max_new_tokens", "gen_batch_size", "steps", "batch_size", "draft_vocab", "topk_targets",
+                     "checkpoint_every"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.prompts is not None and (not isinstance(self.prompts, int) or self.prompts < 1):
+            raise ValueError(f"prompts: expected a positive int or None (all), got {self.prompts!r}")
+        if not isinstance(self.ttt_steps, int) or not 0 <= self.ttt_steps <= 8:
+            raise ValueError(f"ttt_steps: expected an int in 0..8, got {self.ttt_steps!r}")
+        if not (isinstance(self.lr, float) and 0 < self.lr < 1):
+            raise ValueError(f"lr: expected a float in (0, 1), got {self.lr!r}")
+        if not (isinstance(self.weight_decay, float) and 0 <= self.weight_decay < 1):
+            raise ValueError(f"weight_decay: expected a float in [0, 1), got {self.weight_decay!r}")
+        if self.export_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"export_dtype: one of float16, bfloat16, float32; got {self.export_dtype!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Target and prompts
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_target(target: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """``"smollm2"`` -> the embedded default (:func:`treecompile.models.load_smollm2`); anything else is an
+    HF model directory or hub id read with ``AutoModelForCausalLM`` / ``AutoTokenizer``."""
+    if target == "smollm2":
+        from treecompile.models import load_smollm2
+
+        return load_smollm2(dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(target):
+        logger.info("target %r is not a local directory; asking the HF hub for it", target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return model, tokenizer
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of one user message as the target sees it: its chat template with the assistant turn
+    opened when it has one, the bare prompt otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def ordered_prompts(count: int | None, seed: int = 0) -> list[str]:
+    """The first ``count`` training prompts in a seeded order (all when None): a subset spans every
+    category, and a larger ``count`` extends a smaller one, so cached shards stay valid."""
+    from treecompile.prompts import training_prompts
+
+    prompts = training_prompts()
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
+    chosen = [prompts[i] for i in order]
+    return chosen if count is None else chosen[:count]
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage 1: self-distilled data
+# ---------------------------------------------------------------------------------------------------
+
+
+class _TopKRecorder:
+    """A logits processor that records the target's top-k log-probs of every generated position and
+    leaves the scores untouched (greedy picks the same token)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, input_ids, scores):
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        top = logp.topk(self.k, dim=-1)
+        self.steps.append((top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu()))
+        return scores
+
+
+def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_layers, topk, eos, pad) -> list[dict]:
+    """One batch of greedy continuations with everything training needs (see the module docstring).
+
+    Returns one record per prompt: ``tokens int32 [n]`` (prompt + continuation, cut after the first EOS),
+    ``prompt_len L``, ``features float16 [n - 1, F]`` (aux hidden states of positions 0..n-2),
+    ``target_ids int32 [m, k]`` / ``target_logp float16 [m, k]`` (the target's top-k at positions
+    L-1 .. n-2, i.e. for generated tokens 0..m-1; m = n - L).
+    """
+    from transformers import LogitsProcessorList
+
+    device = next(model.parameters()).device
+    B, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    ids = torch.full((B, width), pad, dtype=torch.long)
+    mask = torch.zeros(B, width, dtype=torch.long)
+    for b, p in enumerate(prompt_ids):  # left padding, as HF decoder-only generate wants
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    recorder = _TopKRecorder(topk)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+            do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
+            logits_processor=LogitsProcessorList([recorder]), output_hidden_states=True,
+            return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad,
+        )  # fmt: skip
+    gen = out.sequences[:, width:].cpu()
+    steps = gen.shape[1]
+    # [B, width + steps - 1, F]: prefill rows, then one row per fed generated token (the last one never is).
+    prefill = torch.cat([out.hidden_states[0][i] for i in aux_layers], dim=-1).to(torch.float16).cpu()
+    later = [torch.cat([h[i] for i in aux_layers], dim=-1).to(torch.float16).cpu() for h in out.hidden_states[1:]]
+    feats = torch.cat([prefill] + later, dim=1) if later else prefill
+    top_ids = torch.stack([s[0] for s in recorder.steps], dim=1)  # [B, steps, k]
+    top_logp = torch.stack([s[1] for s in recorder.steps], dim=1)
+    records = []
+    for b, p in enumerate(prompt_ids):
+        row = gen[b].tolist()
+        m = steps
+        for j, t in enumerate(row):
+            if t in eos:
+                m = j + 1
+                break
+        L = len(p)
+        tokens = torch.tensor(p + row[:m], dtype=torch.int32)
+        records.append({
+            "tokens": tokens,
+            "prompt_len": L,
+            "features": feats[b, width - L : width - L + L + m - 1].clone(),
+            "target_ids": top_ids[b, :m].clone(),
+            "target_logp": top_logp[b, :m].clone(),
+        })  # fmt: skip
+    return records
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # a shard or checkpoint appears whole or not at all
+
+
+def _data_identity(model, target_name: str, cfg: TrainConfig, aux_layers) -> dict:
+    return {
+        "format": DATA_FORMAT,
+        "target": target_name,
+        "vocab_size": int(model.config.vocab_size),
+        "hidden_size": int(model.config.hidden_size),
+        "num_hidden_layers": int(model.config.num_hidden_layers),
+        "aux_layers": list(aux_layers),
+        "max_new_tokens": cfg.max_new_tokens,
+        "topk_targets": cfg.topk_targets,
+        "prompt_seed": cfg.seed,
+    }
+
+
+def generate_data(model, tokenizer, prompts: list[str], data_dir: Path, identity: dict, max_new_tokens: int,
+                  batch_size: int, aux_layers, topk: int, progress: bool = True) -> list[Path]:  # fmt: skip
+    """Stage 1: shards ``gen_<start>_<stop>.pt`` over ``prompts`` in order, ``batch_size`` prompts each.
+
+    A shard whose file exists and holds the same prompts is reused (finished work survives an
+    interruption); ``data_dir/meta.json`` pins what the shards were generated with, and a mismatch is a
+    ValueError rather than a silent mix of incompatible data.
+    """
+    from tqdm.auto import tqdm
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = data_dir / "meta.json"
+    if meta_path.is_file():
+        previous = json.loads(meta_path.read_text())
+        if previous != identity:
+            changed = sorted(k for k in set(previous) | set(identity) if previous.get(k) != identity.get(k))
+            raise ValueError(
+                f"out: {data_dir} holds data generated with other settings ({', '.join(changed)}: "
+                f"{[previous.get(k) for k in changed]} != {[identity.get(k) for k in changed]}); use another --out "
+                f"or delete {data_dir}"
+            )
+    else:
+        meta_path.write_text(json.dumps(identity, indent=1))
+    eos = _eos_ids(model, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    spans = [(s, min(s + batch_size, len(prompts))) for s in range(0, len(prompts), batch_size)]
+    paths, todo = [], []
+    for start, stop in spans:
+        path = data_dir / f"gen_{start:05d}_{stop:05d}.pt"
+        paths.append(path)
+        if path.is_file():
+            try:
+                if torch.load(path, weights_only=True)["prompts"] == prompts[start:stop]:
+                    continue
+            except Exception as exc:  # a damaged shard is regenerated, never trusted
+                logger.warning("data shard %s unreadable (%s); regenerating it", path, exc)
+        todo.append((start, stop, path))
+    if len(todo) < len(spans):
+        logger.info("data: %d of %d shards already generated; %d to go", len(spans) - len(todo), len(spans), len(todo))
+    bar = tqdm(todo, desc="generating", unit="batch", disable=not progress)
+    tokens_done = 0
+    for start, stop, path in bar:
+        batch = prompts[start:stop]
+        t0 = time.perf_counter()
+        records = _generate_shard(model, [chat_ids(tokenizer, p) for p in batch], max_new_tokens, aux_layers, topk,
+                                  eos, pad)  # fmt: skip
+        tokens_done += sum(len(r["target_ids"]) for r in records)
+        _atomic_save({"prompts": batch, "records": records, "seconds": time.perf_counter() - t0}, path)
+        bar.set_postfix(generated_tokens=tokens_done)
+    return paths
+
+
+def load_records(paths: list[Path]) -> tuple[list[dict], float]:
+    """All shards' records, and the generation seconds they took (over every run that made them)."""
+    records, seconds = [], 0.0
+    for path in paths:
+        shard = torch.load(path, weights_only=True)
+        records.extend(shard["records"])
+        seconds += float(shard.get("seconds", float("nan")))
+    return records, seconds
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage 2: draft vocabulary
+# ---------------------------------------------------------------------------------------------------
+
+
+def build_draft_vocab(records: list[dict], vocab_size: int, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``draft_vocab`` most frequent generated tokens (ties to the lower id); when fewer distinct ones
+    occur, the target's most frequent top-k alternatives fill up, then the lowest unused ids.
+
+    Returns ``(draft_ids int64 [Vd] ascending, d2t int64 [Vd], t2d bool [V])`` with
+    ``draft_ids = arange(Vd) + d2t`` (EAGLE-3's offsets).
+    """
+    if not 1 <= draft_vocab <= vocab_size:
+        raise ValueError(f"draft_vocab: must be in 1..{vocab_size} (the target's vocabulary), got {draft_vocab}")
+    generated = torch.zeros(vocab_size, dtype=torch.float64)
+    alternatives = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in records:
+        L = r["prompt_len"]
+        generated += torch.bincount(r["tokens"][L:].long(), minlength=vocab_size).double()
+        alternatives += torch.bincount(r["target_ids"].flatten().long(), minlength=vocab_size).double()
+    # One sort key: generated count first, then alternative count, then the lower id.
+    ids = torch.arange(vocab_size, dtype=torch.float64)
+    score = generated * 1e12 + alternatives * 1e3 + (1 - ids / vocab_size)
+    draft_ids = torch.sort(torch.topk(score, draft_vocab).indices).values
+    d2t = draft_ids - torch.arange(draft_vocab)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    covered = float(generated[draft_ids].sum() / generated.sum().clamp(min=1))
+    logger.info("draft vocabulary: %d ids cover %.2f%% of the %d generated tokens (%d distinct)", draft_vocab,
+                100 * covered, int(generated.sum()), int((generated > 0).sum()))  # fmt: skip
+    return draft_ids, d2t, t2d
+
+
+# ---------------------------------------------------------------------------------------------------
+# The head and its training forward
+# ---------------------------------------------------------------------------------------------------
+
+
+def init_head(model, draft_ids: torch.Tensor, seed: int = 0):
+    """A fresh float32 :class:`EagleDrafter` for ``model`` over ``draft_ids``: random ``fc`` and midlayer,
+    ``lm_head`` rows and ``norm`` copied from the target (the head learns to produce a state the target's
+    own output layer reads)."""
+    from treecompile.drafter import EagleDrafter
+
+    head = EagleDrafter.for_target(model, seed=seed, draft_vocab_size=len(draft_ids)).float()
+    with torch.no_grad():
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        head.t2d.zero_()
+        head.t2d[draft_ids] = True
+        out = model.get_output_embeddings()
+        if out is not None and out.weight.shape[1] == head.hidden_size:
+            head.lm_head.weight.copy_(out.weight.detach()[draft_ids.to(out.weight.device)].float().cpu())
+        final_norm = getattr(getattr(model, "model", None), "norm", None)
+        if final_norm is not None and getattr(final_norm, "weight", None) is not None:
+            head.norm.weight.copy_(final_norm.weight.detach().float().cpu())
+        # Start the midlayer's residual branches small: the fused state passes through at first.
+        head.midlayer.self_attn.o_proj.weight.mul_(0.1)
+        head.midlayer.mlp.down_proj.weight.mul_(0.1)
+    return head
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _qkv(head, hidden, tokens, positions):
+    """The midlayer's projections for rows ``hidden [B, T, H]`` / ``tokens, positions [B, T]`` ->
+    ``q [B, Hkv, g, T, D]``, ``k, v [B, Hkv, 1, T, D]`` (RoPE applied; g query heads per KV head)."""
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    B, T, _ = hidden.shape
+    embeds = head.embed(tokens).to(hidden.dtype)
+    x = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(hidden)), dim=-1)
+    hkv, g, d = attn.num_kv_heads, attn.num_heads // attn.num_kv_heads, attn.head_dim
+    q = attn.q_proj(x).view(B, T, hkv, g, d).permute(0, 2, 3, 1, 4)
+    k = attn.k_proj(x).view(B, T, hkv, 1, d).permute(0, 2, 3, 1, 4)
+    v = attn.v_proj(x).view(B, T, hkv, 1, d).permute(0, 2, 3, 1, 4)
+    cos, sin = head.rotary_emb(hidden, positions)  # [B, T, D]
+    cos, sin = cos[:, None, None].to(hidden.dtype), sin[:, None, None].to(hidden.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def _finish(head, hidden, attn_out):
+    """Residual, o_proj and MLP after attention: ``attn_out [B, Hkv, g, T, D] -> [B, T, H]``."""
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    B, T = hidden.shape[:2]
+    h = hidden + attn.o_proj(attn_out.permute(0, 3, 1, 2, 4).reshape(B, T, attn.num_heads * attn.head_dim))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def ttt_forward(head, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The head's outputs over a batch of sequences for training-time-test steps 0..``steps``.
+
+    features : [B, T, F]   fused-state inputs of pair positions 0..T-1
+    tokens : [B, T + steps + 1]  the sequence (token at p + 1 pairs with position p)
+
+    Returns ``[out_0, ..., out_steps]``, each ``[B, T, H]`` (pre-norm; ``head.logits`` reads it): row b of
+    step j is what a lane row at depth j computes for the round whose step-0 row sat at position b
+    (position b + j, token ``tokens[b + j + 1]``, hidden = step j-1's row b, attending to the step-0 keys
+    of positions <= b and to its own keys of steps 1..j).
+    """
+    B, T, _ = features.shape
+    attn = head.midlayer.self_attn
+    positions = torch.arange(T, device=features.device).expand(B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=features.device).tril()
+    hidden = head.project(features)
+    q, k0, v0 = _qkv(head, hidden, tokens[:, 1 : T + 1], positions)
+    scores = (q @ k0.transpose(-1, -2)) * attn.scaling  # [B, Hkv, g, T, T]
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    outs = [_finish(head, hidden, probs @ v0)]
+    chain: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for j in range(1, steps + 1):
+        hidden = outs[-1]
+        q, kj, vj = _qkv(head, hidden, tokens[:, j + 1 : T + j + 1], positions + j)
+        chain.append((kj, vj))
+        base = (q @ k0.transpose(-1, -2)) * attn.scaling
+        base = base.masked_fill(~causal, float("-inf"))
+        # Each row's own chain keys sit on the diagonal: one score per earlier step (and this one).
+        diag = [((q * kc).sum(-1, keepdim=True)) * attn.scaling for kc, _ in chain]
+        probs = torch.softmax(torch.cat([base] + diag, dim=-1), dim=-1)
+        out = probs[..., :T] @ v0
+        for i, (_, vc) in enumerate(chain):
+            out = out + probs[..., T + i : T + i + 1] * vc
+        outs.append(_finish(head, hidden, out))
+    return outs
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage 3: training
+# ---------------------------------------------------------------------------------------------------
+
+
+def _batches(records: list[dict], batch_size: int) -> list[list[int]]:
+    """Sequences grouped by length (little padding), batch order shuffled per epoch by :func:`_batch_at`."""
+    order = sorted(range(len(records)), key=lambda i: (len(records[i]["tokens"]), i))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _batch_at(batches: list[list[int]], step: int, seed: int) -> list[int]:
+    # A pure function of the step: a resumed run draws exactly the batches an uninterrupted one would.
+    epoch, index = divmod(step, len(batches))
+    perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return batches[int(perm[index])]
+
+
+def _collate(records: list[dict], idx: list[int], t2d_index: torch.Tensor, steps: int, device):
+    """Padded tensors of one batch: features [B, T, F], tokens [B, T + steps + 1], and per absolute
+    position q (predicting the token at q + 1) the draft-vocabulary soft target ``target [B, T + steps + 1, k]``
+    (draft ids, -1 where absent) with probabilities ``target_p``."""
+    recs = [records[i] for i in idx]
+    B = len(recs)
+    T = max(len(r["tokens"]) for r in recs) - 1
+    Fdim = recs[0]["features"].shape[1]
+    k = recs[0]["target_ids"].shape[1]
+    feats = torch.zeros(B, T, Fdim, dtype=torch.float32)
+    tokens = torch.zeros(B, T + steps + 1, dtype=torch.long)
+    tgt = torch.full((B, T + steps + 1, k), -1, dtype=torch.long)
+    tgt_p = torch.zeros(B, T + steps + 1, k, dtype=torch.float32)
+    for b, r in enumerate(recs):
+        n, L = len(r["tokens"]), r["prompt_len"]
+        feats[b, : n - 1] = r["features"].float()
+        tokens[b, :n] = r["tokens"].long()
+        m = len(r["target_ids"])
+        draft = t2d_index[r["target_ids"].long()]  # [m, k], -1 outside the draft vocabulary
+        p = r["target_logp"].float().exp() * (draft >= 0)
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
+        tgt[b, L - 1 : L - 1 + m] = torch.where(p.sum(-1, keepdim=True) > 0, draft, -1)
+        tgt_p[b, L - 1 : L - 1 + m] = p
+    return feats.to(device), tokens.to(device), tgt.to(device), tgt_p.to(device)
+
+
+def _step_loss(head, outs, tgt, tgt_p):
+    """Weighted soft cross-entropy over TTT steps; also each step's top-1 agreement with the target."""
+    total, losses, accs = 0.0, [], []
+    T = outs[0].shape[1]
+    for j, out in enumerate(outs):
+        # Step j's row b predicts the token after absolute position b + j + 1.
+        t, p = tgt[:, j + 1 : j + 1 + T], tgt_p[:, j + 1 : j + 1 + T]
+        valid = t[..., 0] >= 0
+        if not bool(valid.any()):
+            losses.append(float("nan"))
+            accs.append(float("nan"))
+            continue
+        logp = torch.log_softmax(head.logits(out[valid]).float(), dim=-1)  # [n, Vd]
+        tv, pv = t[valid], p[valid]
+        ce = -(pv * logp.gather(1, tv.clamp(min=0))).sum(-1).mean()
+        total = total + (STEP_WEIGHT**j) * ce
+        losses.append(float(ce.detach()))
+        accs.append(float((logp.argmax(-1) == tv[:, 0]).float().mean()))
+    return total, losses, accs
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    horizon = max(cfg.schedule_steps or cfg.steps, 1)
+    warm = min(cfg.warmup_steps, max(horizon // 10, 1))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    frac = min((step - warm) / max(horizon - warm, 1), 1.0)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _trainable(head) -> list[nn.Parameter]:
+    # The token embedding is the target's (shared, frozen); everything the head owns trains.
+    return [p for p in head.parameters() if p.requires_grad]
+
+
+def export_head(head, out_dir: Path, dtype: str = "float16") -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the public EAGLE-3 layout."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cast = getattr(torch, dtype)
+    state = {}
+    for name, t in head.state_dict().items():
+        if name.startswith("rotary_emb") or name.startswith("embed_tokens"):
+            continue
+        t = t.detach().cpu()
+        state[name] = (t.to(cast) if t.is_floating_point() else t).contiguous()
+    config = head.config.to_dict()
+    config.update({
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": head.draft_vocab_size,
+        "target_hidden_size": head.target_hidden_size,
+        # EAGLE-3 names layer outputs; HF hidden_states index i is the output of layer i - 1.
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in head.aux_layers]},
+        "torch_dtype": dtype,
+    })  # fmt: skip
+    config.pop("dtype", None)
+    tmp = out_dir / f".model.safetensors.tmp-{os.getpid()}"
+    save_file(state, str(tmp))
+    os.chmod(tmp, 0o644)  # an ordinary data file (the writer creates it owner-only)
+    os.replace(tmp, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+
+
+def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str = "smollm2",
+                  device: str | torch.device = "cpu", progress: bool = True, argv: list[str] | None = None) -> dict:  # fmt: skip
+    """Run the three stages into ``cfg.out`` and return the training summary (also ``training.json``).
+
+    ``model`` / ``tokenizer`` default to :func:`load_target` of ``target_name``. Refuses to start over an
+    existing checkpoint unless ``cfg.resume``; with ``cfg.resume`` and no checkpoint, refuses too.
+    """
+    from tqdm.auto import tqdm
+
+    from treecompile.drafter import default_aux_layers
+
+    cfg.validate()
+    out = Path(cfg.out)
+    ckpt_path = out / CHECKPOINT
+    if cfg.resume and not ckpt_path.is_file():
+        raise ValueError(f"resume: {out} has no {CHECKPOINT} to resume from")
+    if not cfg.resume and ckpt_path.is_file():
+        raise ValueError(f"out: {out} already has a {CHECKPOINT}; pass --resume to continue it or pick another --out")
+    device = torch.device(device)
+    if model is None:
+        gen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model, tokenizer = load_target(target_name, device=device, dtype=gen_dtype)
+    vocab = int(model.config.vocab_size)
+    if cfg.draft_vocab > vocab:
+        raise ValueError(f"draft_vocab: must be in 1..{vocab} (the target's vocabulary), got {cfg.draft_vocab}")
+    aux_layers = default_aux_layers(model.config.num_hidden_layers)
+    out.mkdir(parents=True, exist_ok=True)
+
+    prompts = ordered_prompts(cfg.prompts, cfg.seed)
+    identity = _data_identity(model, target_name, cfg, aux_layers)
+    shards = generate_data(model, tokenizer, prompts, out / "data", identity, cfg.max_new_tokens,
+                           cfg.gen_batch_size, aux_layers, cfg.topk_targets, progress=progress)  # fmt: skip
+    records, t_data = load_records(shards)
+    gen_tokens = sum(len(r["target_ids"]) for r in records)
+    logger.info("data: %d sequences, %d generated tokens, %d tokens in all", len(records), gen_tokens,
+                sum(len(r["tokens"]) for r in records))  # fmt: skip
+
+    state = torch.load(ckpt_path, weights_only=False) if cfg.resume else None
+    if state is not None:
+        draft_ids = state["draft_ids"]
+        if tuple(state["aux_layers"]) != tuple(aux_layers):
+            raise ValueError(f"resume: checkpoint aux_layers {state['aux_layers']} != the target's {aux_layers}")
+    else:
+        draft_ids, _, _ = build_draft_vocab(records, vocab, cfg.draft_vocab)
+    torch.manual_seed(cfg.seed)
+    head = init_head(model, draft_ids, seed=cfg.seed)
+    head.train()
+    for p in head.embed.parameters():
+        p.requires_grad_(False)  # the target's embedding is shared: never trained, never exported
+    if cfg.freeze_lm_head:
+        head.lm_head.weight.requires_grad_(False)
+    params = _trainable(head)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    step, history, train_seconds = 0, [], 0.0
+    if state is not None:
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        step, history, train_seconds = state["step"], state["history"], state["train_seconds"]
+        logger.info("resuming from step %d of %s", step, ckpt_path)
+    t2d_index = torch.full((vocab,), -1, dtype=torch.long)
+    t2d_index[draft_ids] = torch.arange(len(draft_ids))
+    batches = _batches(records, cfg.batch_size)
+    train_device = device
+    head.to(train_device)
+
+    def checkpoint(reason: str) -> None:
+        _atomic_save({
+            "step": step, "head": head.state_dict(), "optimizer": opt.state_dict(), "draft_ids": draft_ids,
+            "aux_layers": list(aux_layers), "history": history, "train_seconds": train_seconds,
+            "config": dataclasses.asdict(cfg),
+        }, ckpt_path)  # fmt: skip
+        export_head(head, out, cfg.export_dtype)
+        summary = _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers)
+        (out / "training.json").write_text(json.dumps(summary, indent=1))
+        logger.info("checkpoint at step %d (%s) in %s", step, reason, out)
+
+    bar = tqdm(total=cfg.steps, initial=min(step, cfg.steps), desc="training", unit="step", disable=not progress)
+    t_train = time.perf_counter()
+    base_seconds = train_seconds
+    try:
+        while step < cfg.steps:
+            if cfg.max_hours is not None and train_seconds > cfg.max_hours * 3600:
+                logger.info("max_hours reached after %d steps; stopping", step)
+                break
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, cfg)
+            feats, tokens, tgt, tgt_p = _collate(records, _batch_at(batches, step, cfg.seed), t2d_index,
+                                                 cfg.ttt_steps, train_device)  # fmt: skip
+            outs = ttt_forward(head, feats, tokens, cfg.ttt_steps)
+            loss, losses, accs = _step_loss(head, outs, tgt, tgt_p)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            train_seconds = base_seconds + time.perf_counter() - t_train
+            history.append({"step": step, "loss": float(loss.detach()), "ce": losses, "acc": accs, "lr": opt.param_groups[0]["lr"]})
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accs[0]:.2f}", accN=f"{accs[-1]:.2f}")
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                checkpoint("scheduled")
+    except KeyboardInterrupt:
+        logger.warning("interrupted at step %d; saving a checkpoint (resume with --resume)", step)
+        checkpoint("interrupted")
+        raise
+    finally:
+        bar.close()
+    if not history or history[-1]["step"] != step or not (out / "model.safetensors").is_file():
+        checkpoint("final")
+    return json.loads((out / "training.json").read_text())
+
+
+def _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers) -> dict:
+    tail = history[-20:]
+    mean = lambda xs: float(sum(xs) / len(xs)) if xs else float("nan")  # noqa: E731
+    per_step = len(tail[0]["ce"]) if tail else 0
+    return {
+        "command": "treecompile train-drafter " + " ".join(argv) if argv is not None else None,
+        "sequences": len(records),
+        "generated_tokens": gen_tokens,
+        "total_tokens": int(sum(len(r["tokens"]) for r in records)),
+        "draft_vocab": int(len(draft_ids)),
+        "aux_layers": list(aux_layers),
+        "steps": step,
+        "batch_size": cfg.batch_size,
+        "ttt_steps": cfg.ttt_steps,
+        "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay,
+        "freeze_lm_head": cfg.freeze_lm_head,
+        "data_generation_seconds": None if math.isnan(t_data) else round(t_data, 1),  # NaN: shards of older runs
+        "train_seconds": round(train_seconds, 1),
+        "final_loss_mean_last_20": mean([h["loss"] for h in tail]),
+        "final_ce_per_ttt_step": [mean([h["ce"][j] for h in tail if not math.isnan(h["ce"][j])]) for j in range(per_step)],
+        "final_top1_acc_per_ttt_step": [mean([h["acc"][j] for h in tail if not math.isnan(h["acc"][j])]) for j in range(per_step)],
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
