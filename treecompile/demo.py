@@ -10,7 +10,9 @@ prompt by prompt, after a warm-up of each (compilation is not timed).
 Reported: the texts, tau (tokens each tree round emits, bonus included, averaged over all rounds of all
 prompts), tokens/s of both, and whether every output matches. ``--json`` prints one JSON object line with
 the keys ``tau``, ``tokens_per_s_tree``, ``tokens_per_s_plain``, ``outputs_match``, ``device`` (relied on)
-plus ``speedup``, ``plain`` (what the plain decode was), ``tree`` (its shape), ``new_tokens``, ``rounds``.
+plus ``speedup``, ``plain`` (what the plain decode was), ``tree`` (its shape), ``new_tokens``, ``rounds``;
+with ``--treecompile-plain`` also treecompile's own plain decode (the one-node tree) as
+``tokens_per_s_plain_treecompile`` and ``speedup_vs_treecompile_plain``.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["run_demo", "demo_results", "shipped_head_path", "tree_for_device"]
 
-# Tree shapes (topk, steps, num_nodes) that pay per device. On the 2-core CPU a verify forward of N rows
-# costs about as much as N / 4 plain decode steps once N passes ~8 (the matmuls stop being weight-read
-# bound), so small trees win there: see heads/README.md for the table this choice comes from.
-CPU_TREE = (2, 4, 8)
+# Tree shapes (topk, steps, num_nodes) per device. Measured on the 2-core CPU with the shipped head (float32,
+# 1 thread, 8 prompts x 64 tokens, one-forward prefill; heads/README.md), tokens/s: 5.0 (2,3,6), 4.7 (2,4,8),
+# 4.6 (3,4,12), 4.4 (4,5,16). A verify forward grows faster with N than this head's tau does, so the
+# smallest tree wins there (and still loses to plain decode: see heads/README.md).
+CPU_TREE = (2, 3, 6)
 # A GPU verify of up to 64 rows costs about one decode step (weight-read bound): a deep, wide tree.
 CUDA_TREE = (4, 6, 32)
 PAGE_SIZE = 64
+PREFILL_CHUNK = 64  # the most rows one forward takes (MAX_NODES)
 
 
 def shipped_head_path(name: str = "smollm2") -> Path:
@@ -70,10 +74,17 @@ def demo_results(
     prompts: int | None = None,
     head: str | None = None,
     tree: tuple[int, int, int] | None = None,
+    treecompile_plain: bool = False,
 ) -> dict:
     """Run the demo and return its results (what ``--json`` prints, plus per-prompt texts under
-    ``"outputs"``). Raises ``ValueError`` on bad arguments and :class:`treecompile.models.MissingDependencyError`
-    (an ``ImportError`` naming what to install) when SmolLM2's package is missing."""
+    ``"outputs"``).
+
+    ``tree`` overrides the device's (topk, steps, num_nodes); ``head`` the shipped head's directory.
+    ``treecompile_plain`` also times treecompile's own plain decode (the one-node tree: same runtime, no
+    drafts) and adds ``tokens_per_s_plain_treecompile``. Raises ``ValueError`` on bad arguments and
+    :class:`treecompile.models.MissingDependencyError` (an ``ImportError`` naming what to install) when
+    SmolLM2's package is missing.
+    """
     from treecompile.drafter import EagleDrafter
     from treecompile.models import load_smollm2
     from treecompile.prompts import demo_prompts
@@ -111,8 +122,10 @@ def demo_results(
     # The CPU attention reference reads every slot the cache can address: size it to this run, not 4096.
     need = longest + max_new_tokens + num_nodes + 1
     max_seq_len = -(-need // PAGE_SIZE) * PAGE_SIZE
+    # Prefill in one forward of up to 64 rows, as HF does (in chunks of N rows, a 50-token chat prompt took
+    # 5 verify-sized forwards: more than a whole short answer's rounds on the CPU).
     spec = TreeSpeculator(model, drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=1,
-                          max_seq_len=max_seq_len, page_size=PAGE_SIZE)  # fmt: skip
+                          max_seq_len=max_seq_len, page_size=PAGE_SIZE, prefill_chunk=PREFILL_CHUNK)  # fmt: skip
 
     def plain(x, n):
         with torch.no_grad():
@@ -121,13 +134,21 @@ def demo_results(
                                  pad_token_id=pad)  # fmt: skip
         return out[0, x.shape[1]:].tolist()
 
+    one_node = None
+    if treecompile_plain:
+        one_node = TreeSpeculator(model, drafter, topk=1, steps=1, num_nodes=1, max_batch_size=1,
+                                  max_seq_len=max_seq_len, page_size=PAGE_SIZE, prefill_chunk=PREFILL_CHUNK)  # fmt: skip
+
     t0 = time.perf_counter()
     spec.generate(ids[0], max_new_tokens=min(4, max_new_tokens), eos_token_id=eos or None)  # compiles the graphs
+    if one_node is not None:
+        one_node.generate(ids[0], max_new_tokens=min(4, max_new_tokens), eos_token_id=eos or None)
     plain(ids[0], min(4, max_new_tokens))
     warmup_s = time.perf_counter() - t0
     logger.info("demo: warm-up (graph compilation) took %.1f s", warmup_s)
 
     outputs, t_tree, t_plain, n_tree, n_plain, accepted, rounds = [], 0.0, 0.0, 0, 0, 0, 0
+    t_one, n_one = 0.0, 0
     for text, x in zip(texts, ids):
         _sync(device)
         t = time.perf_counter()
@@ -139,6 +160,14 @@ def demo_results(
         plain_tokens = _trim(plain(x, max_new_tokens), eos)
         _sync(device)
         t_plain += time.perf_counter() - t
+        one_tokens = plain_tokens
+        if one_node is not None:
+            t = time.perf_counter()
+            one = one_node.generate(x, max_new_tokens=max_new_tokens, eos_token_id=eos or None)
+            _sync(device)
+            t_one += time.perf_counter() - t
+            one_tokens = _trim(one.sequences[0, x.shape[1]:].tolist(), eos)
+            n_one += len(one_tokens)
         alen = res.accept_lengths[:, 0]
         alen = alen[alen > 0]
         accepted += int(alen.sum())
@@ -149,12 +178,17 @@ def demo_results(
             "prompt": text,
             "text": tokenizer.decode(tree_tokens, skip_special_tokens=True),
             "plain_text": tokenizer.decode(plain_tokens, skip_special_tokens=True),
-            "match": tree_tokens == plain_tokens,
+            "match": tree_tokens == plain_tokens == one_tokens,
             "new_tokens": len(tree_tokens),
             "tau": float(alen.float().mean()) if alen.numel() else 0.0,
         })  # fmt: skip
     tps_tree = n_tree / t_tree if t_tree > 0 else 0.0
     tps_plain = n_plain / t_plain if t_plain > 0 else 0.0
+    extra = {}
+    if one_node is not None:
+        tps_one = n_one / t_one if t_one > 0 else 0.0
+        extra = {"tokens_per_s_plain_treecompile": round(tps_one, 2),
+                 "speedup_vs_treecompile_plain": round(tps_tree / tps_one, 3) if tps_one > 0 else None}  # fmt: skip
     return {
         "tau": round(accepted / max(rounds, 1), 3),
         "tokens_per_s_tree": round(tps_tree, 2),
@@ -169,15 +203,17 @@ def demo_results(
         "new_tokens": n_tree,
         "rounds": rounds,
         "warmup_s": round(warmup_s, 1),
+        **extra,
         "outputs": outputs,
     }
 
 
 def run_demo(device="cpu", max_new_tokens: int = 96, as_json: bool = False, prompts: int | None = None,
-             head: str | None = None, tree: tuple[int, int, int] | None = None) -> int:  # fmt: skip
+             head: str | None = None, tree: tuple[int, int, int] | None = None, treecompile_plain: bool = False) -> int:  # fmt: skip
     """The ``treecompile demo`` command: run :func:`demo_results` and print it (one JSON line with
     ``as_json``). Returns the process exit status (1 when the outputs differ)."""
-    res = demo_results(device=device, max_new_tokens=max_new_tokens, prompts=prompts, head=head, tree=tree)
+    res = demo_results(device=device, max_new_tokens=max_new_tokens, prompts=prompts, head=head, tree=tree,
+                       treecompile_plain=treecompile_plain)  # fmt: skip
     if as_json:
         print(json.dumps({k: v for k, v in res.items() if k != "outputs"}))
     else:
@@ -193,5 +229,8 @@ def run_demo(device="cpu", max_new_tokens: int = 96, as_json: bool = False, prom
         print(f"tau (mean tokens per tree round): {res['tau']:.2f}")
         print(f"tree speculation: {res['tokens_per_s_tree']:.1f} tokens/s")
         print(f"plain greedy (HF generate, eager): {res['tokens_per_s_plain']:.1f} tokens/s")
-        print(f"speedup: {res['speedup']}x; outputs identical to plain greedy: {res['outputs_match']}")
+        if "tokens_per_s_plain_treecompile" in res:
+            print(f"plain greedy (treecompile, one-node tree): {res['tokens_per_s_plain_treecompile']:.1f} tokens/s "
+                  f"(tree speedup over it: {res['speedup_vs_treecompile_plain']}x)")
+        print(f"speedup over HF generate: {res['speedup']}x; outputs identical to plain greedy: {res['outputs_match']}")
     return 0 if res["outputs_match"] else 1

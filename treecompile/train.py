@@ -177,7 +177,8 @@ def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_laye
     """One batch of greedy continuations with everything training needs (see the module docstring).
 
     Returns one record per prompt: ``tokens int32 [n]`` (prompt + continuation, cut after the first EOS),
-    ``prompt_len L``, ``features float16 [n - 1, F]`` (aux hidden states of positions 0..n-2),
+    ``prompt_len L``, ``features float16 [n - 1, F]`` (aux hidden states of positions 0..n-2; float32 when
+    they overflow float16),
     ``target_ids int32 [m, k]`` / ``target_logp float16 [m, k]`` (the target's top-k at positions
     L-1 .. n-2, i.e. for generated tokens 0..m-1; m = n - L).
     """
@@ -201,9 +202,15 @@ def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_laye
     gen = out.sequences[:, width:].cpu()
     steps = gen.shape[1]
     # [B, width + steps - 1, F]: prefill rows, then one row per fed generated token (the last one never is).
-    prefill = torch.cat([out.hidden_states[0][i] for i in aux_layers], dim=-1).to(torch.float16).cpu()
-    later = [torch.cat([h[i] for i in aux_layers], dim=-1).to(torch.float16).cpu() for h in out.hidden_states[1:]]
+    prefill = torch.cat([out.hidden_states[0][i] for i in aux_layers], dim=-1).float().cpu()
+    later = [torch.cat([h[i] for i in aux_layers], dim=-1).float().cpu() for h in out.hidden_states[1:]]
     feats = torch.cat([prefill] + later, dim=1) if later else prefill
+    # float16 halves the cache; hidden-state outliers (SmolLM2's reach ~25k) must still fit its range.
+    small = feats.to(torch.float16)
+    if bool(torch.isfinite(small).all()) or not bool(torch.isfinite(feats).all()):
+        feats = small
+    else:
+        logger.warning("hidden states exceed the float16 range; this shard keeps float32 features")
     top_ids = torch.stack([s[0] for s in recorder.steps], dim=1)  # [B, steps, k]
     top_logp = torch.stack([s[1] for s in recorder.steps], dim=1)
     records = []
@@ -634,9 +641,11 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
             outs = ttt_forward(head, feats, tokens, cfg.ttt_steps)
             loss, losses, accs = _step_loss(head, outs, tgt, tgt_p)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            if torch.is_tensor(loss):  # a batch with no generated position has nothing to learn from
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+            loss = torch.as_tensor(loss)
             step += 1
             train_seconds = base_seconds + time.perf_counter() - t_train
             history.append({"step": step, "loss": float(loss.detach()), "ce": losses, "acc": accs, "lr": opt.param_groups[0]["lr"]})
