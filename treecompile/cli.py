@@ -33,6 +33,9 @@ def _add_train(sub) -> None:
     p.add_argument("--prompts", type=int, default=None, help="use the first N prompts of the seeded order (default all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="continuation length per prompt (default 128)")
     p.add_argument("--gen-batch-size", type=int, default=32, help="prompts per generate call (default 32)")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="continuations per prompt: the greedy one plus N-1 sampled ones (default 1)")
+    p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations (default 0.8)")
     p.add_argument("--steps", type=int, default=1000, help="total optimizer steps (default 1000)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per training step (default 8)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -102,7 +105,8 @@ def _run_train(args, argv) -> int:
     _threads(args.threads)
     cfg = TrainConfig(
         out=args.out, prompts=args.prompts, max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size,
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr, schedule_steps=args.schedule_steps,
+        samples_per_prompt=args.samples_per_prompt, temperature=args.temperature, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, schedule_steps=args.schedule_steps,
         draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, checkpoint_every=args.checkpoint_every,
         seed=args.seed, resume=args.resume, export_dtype=args.export_dtype, weight_decay=args.weight_decay,
         freeze_lm_head=args.freeze_lm_head,

@@ -68,6 +68,8 @@ class TrainConfig:
     prompts: int | None = None  # first N of the seeded prompt order; None = all
     max_new_tokens: int = 128
     gen_batch_size: int = 32
+    samples_per_prompt: int = 1  # 1 greedy continuation per prompt, plus (n - 1) sampled ones
+    temperature: float = 0.8  # of the sampled continuations (the greedy one is always there)
     steps: int = 1000
     batch_size: int = 8  # sequences per training step
     lr: float = 1e-3
@@ -85,7 +87,7 @@ class TrainConfig:
     weight_decay: float = 0.0
 
     def validate(self) -> None:
-        for name in ("max_new_tokens", "gen_batch_size", "steps", "batch_size", "draft_vocab", "topk_targets",
+        for name in ("max_new_tokens", "gen_batch_size", "samples_per_prompt", "steps", "batch_size", "draft_vocab", "topk_targets",
                      "checkpoint_every"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -94,6 +96,8 @@ class TrainConfig:
             raise ValueError(f"prompts: expected a positive int or None (all), got {self.prompts!r}")
         if not isinstance(self.ttt_steps, int) or not 0 <= self.ttt_steps <= 8:
             raise ValueError(f"ttt_steps: expected an int in 0..8, got {self.ttt_steps!r}")
+        if not (isinstance(self.temperature, float) and 0 < self.temperature <= 2):
+            raise ValueError(f"temperature: expected a float in (0, 2], got {self.temperature!r}")
         if not (isinstance(self.lr, float) and 0 < self.lr < 1):
             raise ValueError(f"lr: expected a float in (0, 1), got {self.lr!r}")
         if not (isinstance(self.weight_decay, float) and 0 <= self.weight_decay < 1):
@@ -173,8 +177,22 @@ class _TopKRecorder:
         return scores
 
 
-def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_layers, topk, eos, pad) -> list[dict]:
-    """One batch of greedy continuations with everything training needs (see the module docstring).
+class _Temper:
+    """Divides the scores by a temperature. It sits after :class:`_TopKRecorder` in the processor list, so
+    the recorded targets are the target's own distribution; only the sampled token is tempered."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+
+    def __call__(self, input_ids, scores):
+        return scores / self.temperature
+
+
+def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_layers, topk, eos, pad,
+                    temperature: float | None = None, seed: int = 0) -> list[dict]:  # fmt: skip
+    """One batch of continuations with everything training needs (see the module docstring): greedy
+    when ``temperature`` is None, else sampled at that temperature (seeded by ``seed``). Either way the
+    recorded top-k targets are the target's untempered distribution at each position.
 
     Returns one record per prompt: ``tokens int32 [n]`` (prompt + continuation, cut after the first EOS),
     ``prompt_len L``, ``features float16 [n - 1, F]`` (aux hidden states of positions 0..n-2; float32 when
@@ -192,11 +210,18 @@ def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_laye
         ids[b, width - len(p):] = torch.tensor(p)
         mask[b, width - len(p):] = 1
     recorder = _TopKRecorder(topk)
+    processors = [recorder]
+    sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    if temperature is not None:
+        # HF's own warpers stay off (temperature 1, no top-k/top-p): the tempering is ours, after the recorder.
+        processors.append(_Temper(temperature))
+        sampling = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+        torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-            do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None,
-            logits_processor=LogitsProcessorList([recorder]), output_hidden_states=True,
+            num_beams=1, **sampling,
+            logits_processor=LogitsProcessorList(processors), output_hidden_states=True,
             return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad,
         )  # fmt: skip
     gen = out.sequences[:, width:].cpu()
@@ -254,12 +279,17 @@ def _data_identity(model, target_name: str, cfg: TrainConfig, aux_layers) -> dic
 
 
 def generate_data(model, tokenizer, prompts: list[str], data_dir: Path, identity: dict, max_new_tokens: int,
-                  batch_size: int, aux_layers, topk: int, progress: bool = True) -> list[Path]:  # fmt: skip
-    """Stage 1: shards ``gen_<start>_<stop>.pt`` over ``prompts`` in order, ``batch_size`` prompts each.
+                  batch_size: int, aux_layers, topk: int, progress: bool = True, samples_per_prompt: int = 1,
+                  temperature: float = 0.8, seed: int = 0) -> list[Path]:  # fmt: skip
+    """Stage 1: shards over ``prompts`` in order, ``batch_size`` prompts each: ``gen_<start>_<stop>.pt``
+    with the greedy continuations, then for each extra sample s = 1 .. ``samples_per_prompt`` - 1
+    ``gen_s<s>_<start>_<stop>.pt`` with continuations sampled at ``temperature`` (more data from the same
+    prompts; the recorded targets are the target's own distribution either way).
 
-    A shard whose file exists and holds the same prompts is reused (finished work survives an
-    interruption); ``data_dir/meta.json`` pins what the shards were generated with, and a mismatch is a
-    ValueError rather than a silent mix of incompatible data.
+    A shard whose file exists and holds the same prompts (and sample temperature) is reused (finished work
+    survives an interruption, and a run with more samples extends one with fewer); ``data_dir/meta.json``
+    pins what the shards were generated with, and a mismatch is a ValueError rather than a silent mix of
+    incompatible data.
     """
     from tqdm.auto import tqdm
 
@@ -280,27 +310,32 @@ def generate_data(model, tokenizer, prompts: list[str], data_dir: Path, identity
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     spans = [(s, min(s + batch_size, len(prompts))) for s in range(0, len(prompts), batch_size)]
     paths, todo = [], []
-    for start, stop in spans:
-        path = data_dir / f"gen_{start:05d}_{stop:05d}.pt"
-        paths.append(path)
-        if path.is_file():
-            try:
-                if torch.load(path, weights_only=True)["prompts"] == prompts[start:stop]:
-                    continue
-            except Exception as exc:  # a damaged shard is regenerated, never trusted
-                logger.warning("data shard %s unreadable (%s); regenerating it", path, exc)
-        todo.append((start, stop, path))
-    if len(todo) < len(spans):
-        logger.info("data: %d of %d shards already generated; %d to go", len(spans) - len(todo), len(spans), len(todo))
+    for sample in range(samples_per_prompt):
+        temp = None if sample == 0 else float(temperature)
+        prefix = "gen" if sample == 0 else f"gen_s{sample}"
+        for start, stop in spans:
+            path = data_dir / f"{prefix}_{start:05d}_{stop:05d}.pt"
+            paths.append(path)
+            if path.is_file():
+                try:
+                    shard = torch.load(path, weights_only=True)
+                    if shard["prompts"] == prompts[start:stop] and shard.get("temperature") == temp:
+                        continue
+                except Exception as exc:  # a damaged shard is regenerated, never trusted
+                    logger.warning("data shard %s unreadable (%s); regenerating it", path, exc)
+            todo.append((start, stop, path, sample, temp))
+    if len(todo) < len(paths):
+        logger.info("data: %d of %d shards already generated; %d to go", len(paths) - len(todo), len(paths), len(todo))
     bar = tqdm(todo, desc="generating", unit="batch", disable=not progress)
     tokens_done = 0
-    for start, stop, path in bar:
+    for start, stop, path, sample, temp in bar:
         batch = prompts[start:stop]
         t0 = time.perf_counter()
         records = _generate_shard(model, [chat_ids(tokenizer, p) for p in batch], max_new_tokens, aux_layers, topk,
-                                  eos, pad)  # fmt: skip
+                                  eos, pad, temperature=temp, seed=seed * 1_000_003 + sample * 10_007 + start)  # fmt: skip
         tokens_done += sum(len(r["target_ids"]) for r in records)
-        _atomic_save({"prompts": batch, "records": records, "seconds": time.perf_counter() - t0}, path)
+        _atomic_save({"prompts": batch, "temperature": temp, "records": records,
+                      "seconds": time.perf_counter() - t0}, path)  # fmt: skip
         bar.set_postfix(generated_tokens=tokens_done)
     return paths
 
@@ -581,7 +616,8 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
     prompts = ordered_prompts(cfg.prompts, cfg.seed)
     identity = _data_identity(model, target_name, cfg, aux_layers)
     shards = generate_data(model, tokenizer, prompts, out / "data", identity, cfg.max_new_tokens,
-                           cfg.gen_batch_size, aux_layers, cfg.topk_targets, progress=progress)  # fmt: skip
+                           cfg.gen_batch_size, aux_layers, cfg.topk_targets, progress=progress,
+                           samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.temperature, seed=cfg.seed)  # fmt: skip
     records, t_data = load_records(shards)
     gen_tokens = sum(len(r["target_ids"]) for r in records)
     logger.info("data: %d sequences, %d generated tokens, %d tokens in all", len(records), gen_tokens,
@@ -671,6 +707,8 @@ def _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_second
     return {
         "command": "treecompile train-drafter " + " ".join(argv) if argv is not None else None,
         "sequences": len(records),
+        "samples_per_prompt": cfg.samples_per_prompt,
+        "temperature": cfg.temperature if cfg.samples_per_prompt > 1 else None,
         "generated_tokens": gen_tokens,
         "total_tokens": int(sum(len(r["tokens"]) for r in records)),
         "draft_vocab": int(len(draft_ids)),

@@ -201,14 +201,49 @@ def test_interrupted_generation_regenerates_only_what_is_missing(target_dir, tmp
     spans = []
     real = train._generate_shard
 
-    def counting(model, prompt_ids, *args):
+    def counting(model, prompt_ids, *args, **kwargs):
         spans.append(len(prompt_ids))
-        return real(model, prompt_ids, *args)
+        return real(model, prompt_ids, *args, **kwargs)
 
     monkeypatch.setattr(train, "_generate_shard", counting)
     assert main(cli_args(target_dir, out, 2, "--resume")) == 0
     assert spans == [2]
     assert checkpoint(out)["step"] == 2
+
+
+def test_sampled_continuations_extend_the_data_and_record_the_untempered_target(target_dir, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "head"
+    assert main(cli_args(target_dir, out, 1)) == 0
+    calls = []
+    real = train._generate_shard
+
+    def counting(model, prompt_ids, *args, **kwargs):
+        calls.append(kwargs.get("temperature"))
+        return real(model, prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(train, "_generate_shard", counting)
+    # Two more samples per prompt: the greedy shards are reused, only the sampled ones are generated.
+    assert main(cli_args(target_dir, out, 2, "--resume", "--samples-per-prompt", "3", "--temperature", "1.5")) == 0
+    assert calls == [1.5] * 4
+    data = out / "data"
+    greedy = torch.load(data / "gen_00000_00004.pt", weights_only=True)
+    sampled = torch.load(data / "gen_s1_00000_00004.pt", weights_only=True)
+    assert greedy["temperature"] is None and sampled["temperature"] == 1.5
+    assert json.loads((out / "training.json").read_text())["sequences"] == 18
+    # At temperature 1.5 some sampled continuation leaves the greedy one ...
+    pairs = zip(greedy["records"], sampled["records"])
+    assert any(not torch.equal(g["tokens"], s["tokens"]) for g, s in pairs)
+    # ... and its recorded targets are still the target's own (untempered) distribution at each position.
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    rec = sampled["records"][0]
+    L, m = rec["prompt_len"], len(rec["target_ids"])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(rec["tokens"][None].long()).logits[0].float(), -1)
+    top = logp[L - 1 : L - 1 + m].topk(rec["target_ids"].shape[1], dim=-1)
+    assert torch.equal(top.indices.int(), rec["target_ids"])
+    torch.testing.assert_close(top.values.half(), rec["target_logp"], atol=2e-3, rtol=2e-3)
 
 
 def test_exported_head_loads_and_speculates_losslessly(target_dir, tmp_path):
@@ -261,3 +296,5 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
     assert "max_new_tokens" in capsys.readouterr().err
     assert main(cli_args(target_dir, tmp_path / "zero", 0)) == 2
     assert "steps: expected a positive int" in capsys.readouterr().err
+    assert main(cli_args(target_dir, tmp_path / "hot", 1, "--samples-per-prompt", "2", "--temperature", "0")) == 2
+    assert "temperature: expected a float in (0, 2]" in capsys.readouterr().err
