@@ -1,4 +1,5 @@
-"""Gated delta rule (GDN: Qwen3-Next, Qwen3.5) over a draft tree: tree verify and replay commit.
+"""Gated delta rule (GDN: Qwen3-Next, Qwen3.5) over a draft tree: tree verify, replay commit, and the
+staged fallback.
 
 The math is HF's ``torch_recurrent_gated_delta_rule`` per node (value head h, key head h // (Hv // Hk)):
 
@@ -17,6 +18,12 @@ Verify never writes the state pool. It writes each node's replay payload row as 
 ``gdn_replay_commit`` replays the accepted path's rows from the committed state like a chain and writes
 the new state in place, equal to decoding the accepted tokens one by one.
 
+The staged fallback (``replay_ssm=False``) is ``gdn_tree_verify_staged``: the same kernel, but every
+node's state goes to a per-layer ``scratch`` (a branch reloads its parent from there; a chain still
+never reloads) and no payload is written; ``treespec::ssm_commit_staged`` (ops/mamba2_tree.py, generic
+over the state's shape) copies the last accepted node's scratch row into the state pool. It needs no
+replay at commit, at the price of one state per node per layer in memory and writes.
+
 Shapes
 ------
 q, k        [B, N, Hk, Dk]   any float dtype, any strides (HF's split views work without a copy)
@@ -30,6 +37,8 @@ workspace   [B, >=N, Hv, Dk, Dv]  state dtype; ONE buffer shared by all layers (
 payload     [B, >=N, W]      state dtype, one buffer per layer; row t = [k | v | g | beta] of node t:
                              k (l2-normalised when use_qk_l2norm) [Hk * Dk], v [Hv * Dv], g [Hv],
                              beta [Hv]; W = ``gdn_payload_width(Hk, Dk, Hv, Dv)``
+scratch     [B, >=N, Hv, Dk, Dv]  state dtype, staged path only, one buffer per layer; after verify
+                             row t = node t's state after its update, rows >= N untouched
 o           [B, N, Hv, Dv]   dtype of q (HF returns ``core_attn_out.to(query.dtype)``)
 accepted_path int64 [B, N]   accepted node indices, root first, padded with -1
 accept_len  int64 [B]        accepted nodes per request (0 leaves the state unchanged)
@@ -38,6 +47,8 @@ accept_len  int64 [B]        accepted nodes per request (0 leaves the state unch
 use_qk_l2norm) -> o`` (mutates workspace, payload)
 ``torch.ops.treespec.gdn_replay_commit(state, payload, accepted_path, accept_len) -> None``
 (mutates state)
+``torch.ops.treespec.gdn_tree_verify_staged(q, k, v, g, beta, state, parents, scratch, scale,
+use_qk_l2norm) -> o`` (mutates scratch)
 
 Commit reads the accepted rows through ``accepted_path`` (for a chain, rows 0..A-1), which equals
 packing them to the front first; a caller that packed them already (``compact_window_rows``) passes
@@ -68,6 +79,8 @@ __all__ = [
     "gdn_tree_verify_reference",
     "gdn_replay_commit",
     "gdn_replay_commit_reference",
+    "gdn_tree_verify_staged",
+    "gdn_tree_verify_staged_reference",
     "gdn_payload_width",
     "gdn_branch_points",
     "MAX_HEAD_K_DIM",
@@ -155,6 +168,39 @@ def _(state, payload, accepted_path, accept_len) -> None:
     return None
 
 
+@torch.library.custom_op("treespec::gdn_tree_verify_staged", mutates_args=("scratch",))
+def gdn_tree_verify_staged(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    parents: torch.Tensor,
+    scratch: torch.Tensor,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Per-node GDN outputs, every node's state into ``scratch``: ``-> o [B, N, Hv, Dv]`` (module docstring)."""
+    _check_inputs(q, k, v, g, beta, state, parents)
+    _check_node_states("scratch", scratch, state, parents.shape[1])
+    if use_triton(q, k, v, g, beta, state, parents, scratch):
+        batch, num_nodes = parents.shape
+        o = torch.empty((batch, num_nodes, v.shape[2], v.shape[3]), dtype=q.dtype, device=q.device)
+        _launch_gdn_tree_verify(
+            q, k, v, g, beta, state, parents, scratch, None, o, scale, use_qk_l2norm, staged=True
+        )
+        return o
+    return gdn_tree_verify_staged_reference(q, k, v, g, beta, state, parents, scratch, scale, use_qk_l2norm)
+
+
+@gdn_tree_verify_staged.register_fake
+def _(q, k, v, g, beta, state, parents, scratch, scale=None, use_qk_l2norm=True):
+    _check_inputs(q, k, v, g, beta, state, parents)
+    _check_node_states("scratch", scratch, state, parents.shape[1])
+    return q.new_empty((parents.shape[0], parents.shape[1], v.shape[2], v.shape[3]))
+
+
 # --------------------------------------------------------------------------------------------------
 # Validation (metadata only: no host sync)
 # --------------------------------------------------------------------------------------------------
@@ -173,15 +219,14 @@ def _check_state(state: torch.Tensor) -> None:
         raise ValueError(f"state: key head dim Dk = {state.shape[2]} exceeds the supported {MAX_HEAD_K_DIM}")
 
 
-def _check_verify(q, k, v, g, beta, state, parents, workspace, payload) -> None:
+def _check_inputs(q, k, v, g, beta, state, parents) -> None:
+    """The per-node inputs, the committed state and the tree (shared by both verify ops)."""
     check_dim("q", q, 4, "[B, N, Hk, Dk]")
     check_dim("k", k, 4, "[B, N, Hk, Dk]")
     check_dim("v", v, 4, "[B, N, Hv, Dv]")
     check_dim("g", g, 3, "[B, N, Hv]")
     check_dim("beta", beta, 3, "[B, N, Hv]")
     check_dim("parents", parents, 2, "[B, N]")
-    check_dim("workspace", workspace, 5, "[B, N, Hv, Dk, Dv]")
-    check_dim("payload", payload, 3, "[B, N, W]")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_dtype(name, t, *_FLOAT_DTYPES)
     check_dtype("parents", parents, torch.int64)
@@ -210,27 +255,37 @@ def _check_verify(q, k, v, g, beta, state, parents, workspace, payload) -> None:
             f"state: expected [B={batch}, Hv={num_v_heads}, Dk={head_k_dim}, Dv={head_v_dim}], "
             f"got {tuple(state.shape)}"
         )
-    if (
-        workspace.shape[0] != batch
-        or workspace.shape[1] < num_nodes
-        or tuple(workspace.shape[2:]) != tuple(state.shape[1:])
-    ):
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, parents=parents)
+
+
+def _check_node_states(name: str, buf: torch.Tensor, state: torch.Tensor, num_nodes: int) -> None:
+    """A per-node state buffer (the replay workspace or the staged scratch): ``[B, >=N, Hv, Dk, Dv]``."""
+    check_dim(name, buf, 5, "[B, N, Hv, Dk, Dv]")
+    batch, num_v_heads, head_k_dim, head_v_dim = state.shape
+    if buf.shape[0] != batch or buf.shape[1] < num_nodes or tuple(buf.shape[2:]) != tuple(state.shape[1:]):
         raise ValueError(
-            f"workspace: expected [B={batch}, >= N={num_nodes}, Hv={num_v_heads}, Dk={head_k_dim}, "
-            f"Dv={head_v_dim}], got {tuple(workspace.shape)}"
+            f"{name}: expected [B={batch}, >= N={num_nodes}, Hv={num_v_heads}, Dk={head_k_dim}, "
+            f"Dv={head_v_dim}], got {tuple(buf.shape)}"
         )
-    width = gdn_payload_width(num_k_heads, head_k_dim, num_v_heads, head_v_dim)
+    if buf.dtype != state.dtype:
+        raise ValueError(f"{name}: dtype {buf.dtype} must equal the state dtype {state.dtype}")
+    check_same_device(**{name: buf, "state": state})
+
+
+def _check_verify(q, k, v, g, beta, state, parents, workspace, payload) -> None:
+    _check_inputs(q, k, v, g, beta, state, parents)
+    batch, num_nodes = parents.shape
+    _check_node_states("workspace", workspace, state, num_nodes)
+    check_dim("payload", payload, 3, "[B, N, W]")
+    width = gdn_payload_width(q.shape[2], q.shape[3], v.shape[2], v.shape[3])
     if payload.shape[0] != batch or payload.shape[1] < num_nodes or payload.shape[2] != width:
         raise ValueError(
             f"payload: expected [B={batch}, >= N={num_nodes}, W={width}] (W = Hk*Dk + Hv*Dv + 2*Hv), "
             f"got {tuple(payload.shape)}"
         )
-    for name, t in (("workspace", workspace), ("payload", payload)):
-        if t.dtype != state.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} must equal the state dtype {state.dtype}")
-    check_same_device(
-        q=q, k=k, v=v, g=g, beta=beta, state=state, parents=parents, workspace=workspace, payload=payload
-    )
+    if payload.dtype != state.dtype:
+        raise ValueError(f"payload: dtype {payload.dtype} must equal the state dtype {state.dtype}")
+    check_same_device(payload=payload, state=state)
 
 
 def _replay_heads(state: torch.Tensor, payload: torch.Tensor) -> tuple[int, int]:
@@ -284,22 +339,24 @@ def _value_block(head_k_dim: int, head_v_dim: int) -> tuple[int, int]:
 
 
 def _launch_gdn_tree_verify(
-    q, k, v, g, beta, state, parents, workspace, payload, o, scale, use_qk_l2norm
+    q, k, v, g, beta, state, parents, workspace, payload, o, scale, use_qk_l2norm, staged=False
 ) -> None:
-    """Fill ``o``, the branch points' workspace rows and the payload rows. Grid: (B, Hv, Dv blocks)."""
+    """Fill ``o``, the branch points' workspace rows and the payload rows; with ``staged``, ``workspace``
+    is the scratch, every node's row is written and ``payload`` (None) is not. Grid: (B, Hv, Dv blocks)."""
     batch, num_nodes, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[2:]
     if batch == 0 or num_v_heads == 0 or head_v_dim == 0:
         return
     block_k, block_v = _value_block(head_k_dim, head_v_dim)
     v_off, g_off, beta_off = _payload_offsets(num_k_heads, head_k_dim, num_v_heads, head_v_dim)
+    payload_strides = (0, 0, 0) if staged else payload.stride()
     _gdn_tree_verify_kernel[(batch, num_v_heads, triton.cdiv(head_v_dim, block_v))](
-        q, k, v, g, beta, state, parents, workspace, payload, o,
+        q, k, v, g, beta, state, parents, workspace, workspace if staged else payload, o,
         num_nodes, float(head_k_dim**-0.5 if scale is None else scale),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        *state.stride(), *parents.stride(), *workspace.stride(), *payload.stride(), *o.stride(),
+        *state.stride(), *parents.stride(), *workspace.stride(), *payload_strides, *o.stride(),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
-        V_OFF=v_off, G_OFF=g_off, BETA_OFF=beta_off, USE_L2NORM=bool(use_qk_l2norm),
+        V_OFF=v_off, G_OFF=g_off, BETA_OFF=beta_off, USE_L2NORM=bool(use_qk_l2norm), STAGED=bool(staged),
         BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_N=max(16, triton.next_power_of_2(num_nodes)),
         num_warps=4 if block_k * block_v >= 2048 else 1,
     )  # fmt: skip
@@ -342,12 +399,14 @@ if HAS_TRITON:
         s_ob, s_on, s_oh, s_od,
         GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         V_OFF: tl.constexpr, G_OFF: tl.constexpr, BETA_OFF: tl.constexpr, USE_L2NORM: tl.constexpr,
+        STAGED: tl.constexpr,
         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         # One program per (request, value head, value slice) walks the nodes in index order with its
         # [Dk, BLOCK_V] state tile in registers, like a chain's fused recurrent decode (idea from fla's
         # fused_recurrent_gated_delta_rule; the branch-point workspace follows SGLang/flashinfer's
-        # intermediate_states_buffer, here written only where a reload will read it).
+        # intermediate_states_buffer, here written only where a reload will read it). With STAGED,
+        # ws_ptr is the per-layer scratch: every node's state is stored, no payload row is.
         b = tl.program_id(0).to(tl.int64)
         hv = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
@@ -388,21 +447,29 @@ if HAS_TRITON:
             tl.store(
                 o_ptr + b * s_ob + t * s_on + hv * s_oh + vv * s_od, o_t.to(o_ptr.dtype.element_ty), mask=vm
             )
-            # Replay payload: each element has exactly one writer program.
-            row = row_ptr + t * s_yn
-            tl.store(row + (V_OFF + hv * DV + vv) * s_yw, v_t.to(payload_ptr.dtype.element_ty), mask=vm)
-            if vb == 0:
-                if hv % GROUP == 0:
-                    tl.store(row + (hk * DK + kk) * s_yw, k_t.to(payload_ptr.dtype.element_ty), mask=km)
-                tl.store(row + (G_OFF + hv) * s_yw, g_t.to(payload_ptr.dtype.element_ty))
-                tl.store(row + (BETA_OFF + hv) * s_yw, beta_t.to(payload_ptr.dtype.element_ty))
-            # Keep this state only if some child other than t + 1 will reload it.
             n_reloaders = tl.sum(tl.where((all_parents == t) & (nn != t + 1), 1, 0), 0)
-            if n_reloaders > 0:
+            if STAGED:
                 tl.store(ws_tile + t * s_wn, S.to(ws_ptr.dtype.element_ty), mask=sm)
-                # The later reload may be served by other threads of this program: make the store visible.
-                tl.debug_barrier()
-        # (No final state: verify never writes the state pool; commit replays the accepted rows.)
+                if n_reloaders > 0:
+                    # The later reload may be served by other threads of this program: make it visible.
+                    tl.debug_barrier()
+            else:
+                # Replay payload: each element has exactly one writer program.
+                row = row_ptr + t * s_yn
+                out_ty = payload_ptr.dtype.element_ty
+                tl.store(row + (V_OFF + hv * DV + vv) * s_yw, v_t.to(out_ty), mask=vm)
+                if vb == 0:
+                    if hv % GROUP == 0:
+                        tl.store(row + (hk * DK + kk) * s_yw, k_t.to(out_ty), mask=km)
+                    tl.store(row + (G_OFF + hv) * s_yw, g_t.to(out_ty))
+                    tl.store(row + (BETA_OFF + hv) * s_yw, beta_t.to(out_ty))
+                # Keep this state only if some child other than t + 1 will reload it.
+                if n_reloaders > 0:
+                    tl.store(ws_tile + t * s_wn, S.to(ws_ptr.dtype.element_ty), mask=sm)
+                    # The later reload may be served by other threads of this program: make it visible.
+                    tl.debug_barrier()
+        # (No final state: verify never writes the state pool; commit replays the accepted rows, or
+        # with STAGED copies the last accepted node's scratch row.)
 
     @triton.jit
     def _gdn_replay_commit_kernel(
@@ -462,23 +529,11 @@ def _delta_rule_step(S, k_t, v_t, g_t, beta_t):
     return S + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
 
 
-def gdn_tree_verify_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    parents: torch.Tensor,
-    workspace: torch.Tensor,
-    payload: torch.Tensor,
-    scale: Optional[float] = None,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
-    """Pure-torch tree verify in the state's dtype; writes the same workspace rows and payload as the kernel.
+def _tree_states(q, k, v, g, beta, state, parents, scale, use_qk_l2norm):
+    """Every node's output and state, plus the processed k, v, g, beta, in the state's dtype.
 
     Vectorised over requests and heads, sequential over nodes; keeps every node's state (it is the
-    oracle, memory is not its concern) and gathers each node's parent state from them.
+    oracle, memory is not its concern) and starts each node from its parent's.
     """
     batch, num_nodes, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[2:]
@@ -502,7 +557,25 @@ def gdn_tree_verify_reference(
         S = _delta_rule_step(S, k_heads[:, t], vf[:, t], gf[:, t], bf[:, t])
         node_states[:, t] = S
         out[:, t] = (S * q_heads[:, t].unsqueeze(-1)).sum(dim=-2)
+    return out.to(q.dtype), node_states, (kf, vf, gf, bf)
 
+
+def gdn_tree_verify_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    parents: torch.Tensor,
+    workspace: torch.Tensor,
+    payload: torch.Tensor,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Pure-torch tree verify in the state's dtype; writes the same workspace rows and payload as the kernel."""
+    out, node_states, (kf, vf, gf, bf) = _tree_states(q, k, v, g, beta, state, parents, scale, use_qk_l2norm)
+    batch, num_nodes = parents.shape
     keep = gdn_branch_points(parents)[:, :, None, None, None]
     kept = torch.where(keep, node_states.to(workspace.dtype), workspace[:, :num_nodes])
     workspace[:, :num_nodes].copy_(kept)
@@ -510,7 +583,25 @@ def gdn_tree_verify_reference(
         [kf.reshape(batch, num_nodes, -1), vf.reshape(batch, num_nodes, -1), gf, bf], dim=-1
     )
     payload[:, :num_nodes].copy_(row)
-    return out.to(q.dtype)
+    return out
+
+
+def gdn_tree_verify_staged_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    parents: torch.Tensor,
+    scratch: torch.Tensor,
+    scale: Optional[float] = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Pure-torch staged verify: outputs, and every node's state into ``scratch[:, :N]``."""
+    out, node_states, _ = _tree_states(q, k, v, g, beta, state, parents, scale, use_qk_l2norm)
+    scratch[:, : parents.shape[1]].copy_(node_states)
+    return out
 
 
 def gdn_replay_commit_reference(

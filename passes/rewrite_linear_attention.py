@@ -27,8 +27,10 @@ created (:func:`allow_seams_in_graph`) and each arrives here as ONE call node. F
    them after acceptance) and emits ``treespec::causal_conv1d_tree_update(x, conv_state[i][:B], w, b,
    parents[:B, :T], activation)``, transposed back to HF's ``[B, C, T]``;
 3. recurrence: GDN -> ``treespec::gdn_tree_verify(q, k, v, g, beta, ssm_state[i][:B], parents, workspace
-   [:B], payload[i][:B])``; Mamba2 -> ``treespec::mamba2_tree_verify(x, dt, A, B, C, D, dt_bias,
-   ssm_state[i][:B], parents, payload[i][:B], ...)`` or, with ``replay_ssm=False``,
+   [:B], payload[i][:B])`` (``gdn_tree_verify_chunked`` without the workspace for forwards of 8..16 rows,
+   unless the binding says ``gdn_chunked=False``) or, with ``replay_ssm=False``, ``gdn_tree_verify_staged(q, k, v, g, beta,
+   ssm_state[i][:B], parents, scratch[i][:B])``; Mamba2 -> ``treespec::mamba2_tree_verify(x, dt, A, B, C,
+   D, dt_bias, ssm_state[i][:B], parents, payload[i][:B], ...)`` or, with ``replay_ssm=False``,
    ``mamba2_tree_verify_staged(..., scratch[i][:B], ...)``; the result is cast to the dtype HF's seam
    returned (Mamba2's chunked scan returns float32).
 
@@ -47,9 +49,14 @@ import operator
 import torch
 import torch.fx
 
+from treecompile.ops.gdn_chunk_tree import CHUNKED_MAX_NODES
 from treecompile.registry import LINEAR_ATTENTION_CLASSES
 
 from ._graph import example_dtype, example_shape, module_stack
+
+# Forwards of CHUNKED_MIN_ROWS..CHUNKED_MAX_NODES rows run GDN in the chunked tree form (issue #6: trees of
+# 8..16 nodes); shorter ones (a decode step, small trees) and longer ones run the sequential tree kernel.
+CHUNKED_MIN_ROWS = 8
 
 logger = logging.getLogger(__name__)
 
@@ -348,12 +355,18 @@ def _rewrite_gdn(graph, binding, layer, node, parents, B: int, T: int) -> None:
     i = layer.index
     with graph.inserting_before(node):
         state = _slice_batch(graph, f"ssm_state{i}", B)
-        workspace = _slice_batch(graph, binding.workspace_name(layer.state_shape), B)
-        payload = _slice_batch(graph, f"payload{i}", B)
-        out = graph.call_function(
-            torch.ops.treespec.gdn_tree_verify.default,
-            (q, k, v, g, beta, state, parents, workspace, payload, None, use_l2norm),
-        )
+        if binding.replay_ssm and binding.gdn_chunked and CHUNKED_MIN_ROWS <= T <= CHUNKED_MAX_NODES:
+            # One 16-row tile holds the whole tree: the chunked form does the tree with a few small matmuls
+            # and keeps no node state (no workspace traffic); same payload rows, same commit.
+            payload = _slice_batch(graph, f"payload{i}", B)
+            op, bufs = torch.ops.treespec.gdn_tree_verify_chunked.default, (payload,)
+        elif binding.replay_ssm:
+            workspace = _slice_batch(graph, binding.workspace_name(layer.state_shape), B)
+            payload = _slice_batch(graph, f"payload{i}", B)
+            op, bufs = torch.ops.treespec.gdn_tree_verify.default, (workspace, payload)
+        else:
+            op, bufs = torch.ops.treespec.gdn_tree_verify_staged.default, (_slice_batch(graph, f"scratch{i}", B),)
+        out = graph.call_function(op, (q, k, v, g, beta, state, parents, *bufs, None, use_l2norm))
         last = out
         want = _output_dtype(node, 0)
         if want is not None and want != example_dtype(q):

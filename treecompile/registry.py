@@ -510,8 +510,8 @@ class PagedTreeAttentionBackend:
 class TreeLinearAttentionBackend:
     """The target-side backend of a recognised GDN / Mamba2 layer: the FX pass replaces HF's conv and
     recurrence seams with ``treespec::causal_conv1d_tree_update`` + ``gdn_tree_verify`` /
-    ``mamba2_tree_verify`` (``mamba2_tree_verify_staged`` without replay) over binding-owned state pools.
-    Verify only; target layers run no lanes."""
+    ``mamba2_tree_verify`` (``gdn_tree_verify_staged`` / ``mamba2_tree_verify_staged`` without replay)
+    over binding-owned state pools. Verify only; target layers run no lanes."""
 
     name = "tree_linear_attention"
 
@@ -541,11 +541,6 @@ class TreeLinearAttentionBackend:
         if layer.family == "gdn":
             if layer.key_dim > MAX_HEAD_K_DIM:
                 reasons.append(f"key head dim {layer.key_dim} exceeds the GDN kernel's {MAX_HEAD_K_DIM}")
-            if not replay_ssm:
-                reasons.append(
-                    "replay_ssm=False asks for the staged per-node-state path, which has no GDN kernel "
-                    "(gdn_tree_verify keeps branch points only); use replay_ssm=True"
-                )
         elif layer.key_dim > MAX_STATE_SIZE:
             reasons.append(f"state size {layer.key_dim} exceeds the Mamba2 kernel's {MAX_STATE_SIZE}")
         if state_dtype is not None:

@@ -96,8 +96,8 @@ class TreeSpeculator:
     cuda_graphs : capture and replay the draft and verify rounds (default: on CUDA).
     do_sample : only greedy is supported; True is refused at startup by capability resolution.
     replay_ssm : linear-attention layers commit by replaying the accepted path's payload rows (default);
-        False stages every node's recurrent state and commits the last accepted node's (Mamba2 only; GDN
-        layers refuse it at startup).
+        False stages every node's recurrent state (one per-layer scratch) and commits the last accepted
+        node's (GDN and Mamba2).
     ssm_state_dtype : dtype of the linear-attention recurrent state pools; default float32 (float64 for a
         float64 model on CPU). Anything else is refused at startup.
     """

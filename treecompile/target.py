@@ -27,9 +27,10 @@ For each recognised linear-attention layer the binding also owns (DESIGN.md, "Re
 parent"): the committed conv window ``conv_state[i] [max_B, C, Kw - 1]`` and recurrent state
 ``ssm_state[i] [max_B, *state_shape]`` (the pools verify only reads), the forward's pre-conv inputs
 ``conv_x[i] [max_B, max_rows, C]`` (kept for the conv commit), and either the replay payload rows
-``payload[i] [max_B, max_rows, W]`` (replay, the default) or, for Mamba2 with ``replay_ssm=False``, every
-node's state ``scratch[i] [max_B, max_rows, *state_shape]``. GDN branch-point states go to ONE workspace
-per state geometry shared by all layers (``[max_B, max_rows, Hv, Dk, Dv]``). Each forward's tree arrives as
+``payload[i] [max_B, max_rows, W]`` (replay, the default) or, with ``replay_ssm=False`` (GDN and Mamba2),
+every node's state ``scratch[i] [max_B, max_rows, *state_shape]``. Under replay, GDN branch-point states
+go to ONE workspace per state geometry shared by all layers (``[max_B, max_rows, Hv, Dk, Dv]``); the
+staged path needs none (a branch reloads its parent from the layer's scratch). Each forward's tree arrives as
 ``parents [max_B, max_rows]`` (written by :meth:`TargetBinding.load`); after acceptance
 :meth:`TargetBinding.commit_linear_state` advances the pools along the accepted path. Creating such a
 binding registers the layers' HF seams with Dynamo (``allow_in_graph``) so they reach the FX pass as single
@@ -110,7 +111,7 @@ class TargetBinding:
     linear_layers : the recognised linear-attention layers (default:
         :func:`treecompile.registry.linear_attention_layers`).
     replay_ssm : commit recurrent state by replaying the accepted path's payload rows (default); False
-        stages every node's state (Mamba2 only) and commits the last accepted node's.
+        stages every node's state in a per-layer scratch and commits the last accepted node's.
     state_dtype : recurrent state pools' dtype; default float32 (float64 for a float64 model on CPU).
 
     Attributes
@@ -122,7 +123,8 @@ class TargetBinding:
     slots : int64 [max_batch, max_rows], the cache slot row r's K/V is written to.
     parents : int64 [max_batch, max_rows], row r's parent row (-1: the committed frontier).
     conv_state, ssm_state, conv_x, payload, scratch : per linear layer (module docstring).
-    gdn_workspace : {state_shape: [max_batch, max_rows, Hv, Dk, Dv]}, shared by the GDN layers.
+    gdn_workspace : {state_shape: [max_batch, max_rows, Hv, Dk, Dv]}, shared by the GDN layers (replay
+        only; empty with ``replay_ssm=False``).
     calls : number of forwards the rewritten graphs ran with this binding.
     """
 
@@ -139,6 +141,7 @@ class TargetBinding:
         linear_layers: list[LinearAttentionLayer] | None = None,
         replay_ssm: bool = True,
         state_dtype: torch.dtype | None = None,
+        gdn_chunked: bool = True,
     ) -> None:
         if not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_NODES:
             raise ValueError(f"max_rows: must be an int in 1..{MAX_NODES}, got {max_rows!r}")
@@ -177,6 +180,7 @@ class TargetBinding:
         self._rows = torch.arange(max_rows, dtype=torch.int64, device=device)
         self.parents = (self._rows - 1).expand(max_batch, max_rows).clone()  # a fresh binding holds the chain
         self.replay_ssm = bool(replay_ssm)
+        self.gdn_chunked = bool(gdn_chunked)
         self.state_dtype = state_dtype or _default_state_dtype(dtype, device)
         self._bind_linear_state(dtype, device)
         self.calls = 0
@@ -190,10 +194,6 @@ class TargetBinding:
             )
         if self.linear_layers and self.state_dtype == torch.float64 and device.type != "cpu":
             raise ValueError(f"state_dtype: float64 recurrent state is the CPU reference path only (device {device})")
-        if not self.replay_ssm:
-            gdn = [layer.name for layer in self.linear_layers if layer.family == "gdn"]
-            if gdn:
-                raise ValueError(f"replay_ssm: False has no staged GDN kernel (GDN layers {gdn[:2]} ...); use True")
         self.conv_state, self.ssm_state, self.conv_x, self.payload, self.scratch = [], [], [], [], []
         self.gdn_workspace: dict[tuple[int, ...], torch.Tensor] = {}
         for layer in self.linear_layers:
@@ -205,7 +205,7 @@ class TargetBinding:
                 self.payload.append(torch.zeros(B, N, layer.payload_width, dtype=self.state_dtype, device=device))
             else:
                 self.scratch.append(torch.zeros((B, N) + state, dtype=self.state_dtype, device=device))
-            if layer.family == "gdn" and state not in self.gdn_workspace:
+            if self.replay_ssm and layer.family == "gdn" and state not in self.gdn_workspace:
                 self.gdn_workspace[state] = torch.zeros((B, N) + state, dtype=self.state_dtype, device=device)
         if self.linear_layers:
             from treecompile.passes.rewrite_linear_attention import allow_seams_in_graph

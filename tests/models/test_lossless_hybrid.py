@@ -81,7 +81,9 @@ def test_random_drafter_matches_hf_greedy(family):
 # (family, topk, steps, num_nodes, replay_ssm): the chain (topk=1), wide and deep trees, the staged path.
 SHAPES = [
     ("qwen3_next", 2, 4, 8, True),
+    ("qwen3_next", 2, 3, 6, False),
     ("qwen3_5", 1, 4, 5, True),
+    ("qwen3_5", 3, 2, 6, False),
     ("mamba2", 3, 4, 12, True),
     ("mamba2", 2, 3, 6, False),
     ("bamba", 4, 5, 16, True),
@@ -111,6 +113,7 @@ def test_oracle_drafter_accepts_deep_paths_and_stays_lossless(family, topk, step
         assert spec.tree is None  # the chain path: no DraftTree, no tree state
     if not replay:
         assert spec.binding.scratch and not spec.binding.payload
+        assert not spec.binding.gdn_workspace  # the staged path keeps every node's state in the scratch
 
 
 # ---------------------------------------------------------------------------------------------------------

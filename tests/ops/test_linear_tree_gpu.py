@@ -1,4 +1,5 @@
-"""The tree conv and GDN ops on CUDA (compiled Triton) against their float64 references on CPU.
+"""The tree conv, GDN (replay and staged) and Mamba2 ops on CUDA (compiled Triton) against their float64
+references on CPU.
 
 The interpreter accepts code compiled Triton rejects, so the kernel tests in test_conv_tree.py and
 test_gdn_tree.py are not enough: this file runs the CUDA path at Qwen3-Next-like head shapes.
@@ -106,6 +107,55 @@ def test_gdn_tree_verify_and_replay_on_cuda(n):
     torch.ops.treespec.gdn_replay_commit(want_state, pl64, path, accept_len)
     torch.ops.treespec.gdn_replay_commit(state_cu, pl, path.cuda(), accept_len.cuda())
     torch.testing.assert_close(state_cu.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 33, 64], ids=lambda n: f"N{n}")
+def test_gdn_tree_verify_staged_and_commit_on_cuda(n):
+    """The staged GDN path (replay_ssm=False): every node's scratch row, untouched rows past N, outputs of
+    the replay kernel, and ssm_commit_staged equal to the float64 replay commit."""
+    batch, hk, hv, dk, dv = 3, 2, 4, 128, 128
+    gen = torch.Generator().manual_seed(100 + n)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, k, v = rnd(batch, n, hk, dk), rnd(batch, n, hk, dk), rnd(batch, n, hv, dv)
+    g = -torch.rand(batch, n, hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(batch, n, hv, generator=gen, dtype=torch.float64)
+    state = rnd(batch, hv, dk, dv) * 0.5
+    parents = random_parents(batch, n, n + 3)
+    extra = 2  # scratch rows past N must stay untouched
+
+    sc64 = poisoned((batch, n + extra, hv, dk, dv), torch.float64)
+    want = torch.ops.treespec.gdn_tree_verify_staged(q, k, v, g, beta, state, parents, sc64, None, True)
+
+    cu = lambda t: t.float().cuda()  # noqa: E731
+    state_cu = cu(state)
+    sc = poisoned((batch, n + extra, hv, dk, dv), torch.float32, "cuda")
+    got = torch.ops.treespec.gdn_tree_verify_staged(
+        cu(q), cu(k), cu(v), cu(g), cu(beta), state_cu, parents.cuda(), sc, None, True
+    )
+    torch.testing.assert_close(got.cpu().double(), want, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(state_cu.cpu().double(), state.float().double())  # verify never writes it
+    torch.testing.assert_close(sc.cpu().double()[:, :n], sc64[:, :n], atol=2e-3, rtol=2e-3)
+    assert sc.cpu()[:, n:].isnan().all()
+
+    ws = poisoned((batch, n, hv, dk, dv), torch.float32, "cuda")
+    pl = poisoned((batch, n, gdn.gdn_payload_width(hk, dk, hv, dv)), torch.float32, "cuda")
+    replay_o = torch.ops.treespec.gdn_tree_verify(
+        cu(q), cu(k), cu(v), cu(g), cu(beta), state_cu, parents.cuda(), ws, pl, None, True
+    )
+    torch.testing.assert_close(got, replay_o, atol=1e-5, rtol=1e-5)
+
+    path, accept_len = accepted_chain(parents, torch.tensor([n, 1, min(n, 2)]))
+    pl64 = poisoned((batch, n, pl.shape[2]), torch.float64)
+    ws64 = poisoned((batch, n, hv, dk, dv), torch.float64)
+    torch.ops.treespec.gdn_tree_verify(q, k, v, g, beta, state, parents, ws64, pl64, None, True)
+    want_state = state.clone()
+    torch.ops.treespec.gdn_replay_commit(want_state, pl64, path, accept_len)
+    staged = state_cu.clone()
+    torch.ops.treespec.ssm_commit_staged(staged, sc, path.cuda(), accept_len.cuda())
+    torch.testing.assert_close(staged.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("n", [1, 2, 16, 33, 64], ids=lambda n: f"N{n}")

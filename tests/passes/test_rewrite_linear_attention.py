@@ -44,7 +44,7 @@ def tiny_model(family: str, seed: int = 0, conv_kernel: int = 4):
         model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
             **gdn, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
             num_experts_per_tok=1, mlp_only_layers=[0, 1, 2, 3]))  # fmt: skip
-    elif family == "qwen3_5":
+    elif family in ("qwen3_5", "qwen3_5-staged", "qwen3_5-sequential"):
         model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**gdn))
     elif family in ("mamba2", "mamba2-staged"):
         model = tf.Mamba2ForCausalLM(tf.Mamba2Config(
@@ -61,9 +61,11 @@ def tiny_model(family: str, seed: int = 0, conv_kernel: int = 4):
     return model.to(torch.float64).eval()
 
 
-FAMILIES = ("qwen3_next", "qwen3_5", "mamba2", "mamba2-staged", "bamba")
-RECURRENCE_OP = {"qwen3_next": "gdn_tree_verify", "qwen3_5": "gdn_tree_verify", "mamba2": "mamba2_tree_verify",
-                 "mamba2-staged": "mamba2_tree_verify_staged", "bamba": "mamba2_tree_verify"}  # fmt: skip
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5-sequential", "qwen3_5-staged", "mamba2", "mamba2-staged", "bamba")
+# T = 9 rows: GDN runs the chunked tree form (8..16 rows) unless the binding turns it off.
+RECURRENCE_OP = {"qwen3_next": "gdn_tree_verify_chunked", "qwen3_5": "gdn_tree_verify_chunked",
+                 "qwen3_5-sequential": "gdn_tree_verify", "qwen3_5-staged": "gdn_tree_verify_staged",
+                 "mamba2": "mamba2_tree_verify", "mamba2-staged": "mamba2_tree_verify_staged", "bamba": "mamba2_tree_verify"}  # fmt: skip
 
 
 def random_tree(n: int, generator: torch.Generator) -> list[int]:
@@ -105,7 +107,8 @@ def rewritten(request):
     family = request.param
     model = tiny_model(family)
     binding = TargetBinding(model, max_batch=B, max_seq_len=48, max_rows=T, page_size=8,
-                            replay_ssm=family != "mamba2-staged")  # fmt: skip
+                            replay_ssm=not family.endswith("-staged"),
+                            gdn_chunked=not family.endswith("-sequential"))  # fmt: skip
     runner = TargetRunner(model, binding, aux_layers=(1, 2), inductor=False)
     capture = Captured()
     mp = pytest.MonkeyPatch()
@@ -299,17 +302,18 @@ def test_unsupported_conv_kernel_and_state_dtype_are_refused_in_one_message():
         assert line.startswith("target linear-attention layer")
         assert "conv kernel size 5 has no tree conv kernel" in line
         assert "recurrent state dtype torch.bfloat16 is not supported" in line
-        assert "replay_ssm=False" in line and "no GDN kernel" in line
+        assert "replay_ssm" not in line  # the staged GDN path has a kernel (gdn_tree_verify_staged)
 
 
-def test_speculator_refuses_the_staged_gdn_path_at_startup():
-    from treecompile.drafter import EagleDrafter
-    from treecompile.speculator import TreeSpeculator
-
-    model = tiny_model("qwen3_5")
-    with pytest.raises(ValueError, match=r"\(3 blockers\)(.|\n)*replay_ssm=False"):
-        TreeSpeculator(model, EagleDrafter.for_target(model), topk=2, steps=2, num_nodes=4, max_seq_len=64,
-                       replay_ssm=False)  # fmt: skip
+def test_staged_gdn_path_resolves_and_binds_no_workspace():
+    """replay_ssm=False is no blocker for GDN: a per-layer scratch, and no shared branch-point workspace."""
+    model = tiny_model("qwen3_next")
+    resolved = resolve_tree_support(model, max_seq_len=64, replay_ssm=False)
+    binding = TargetBinding(model, max_batch=2, max_seq_len=32, max_rows=5, page_size=8,
+                            linear_layers=resolved.linear_layers, replay_ssm=False)  # fmt: skip
+    assert not binding.payload and not binding.gdn_workspace
+    assert [tuple(s.shape) for s in binding.scratch] == [(2, 5, 4, 8, 8)] * 3  # [B, N, Hv, Dk, Dv] per layer
+    assert not any(name.startswith("gdn_workspace") for name in binding.graph_tensors())
 
 
 def test_linear_attention_without_a_tree_kernel_is_refused():
