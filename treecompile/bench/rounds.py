@@ -84,6 +84,7 @@ class Setup:
     reps: int = 20
     copy_bytes: int = 1 << 30
     smoke: bool = False
+    inductor: bool = False  # compile the rewritten target with Inductor (fused norms / rope / MLP glue)
 
     @property
     def graphs(self) -> bool:
@@ -341,7 +342,7 @@ class RoundsBench:
         s = self.setup
         spec = TreeSpeculator(
             self.model, self.drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=1,
-            max_seq_len=self.max_seq_len, prefill_chunk=PREFILL_CHUNK, inductor=False, cuda_graphs=False,
+            max_seq_len=self.max_seq_len, prefill_chunk=PREFILL_CHUNK, inductor=s.inductor, cuda_graphs=False,
         )  # fmt: skip
         if self._shared is None:
             self._shared = (spec.binding, spec.runner)
@@ -596,11 +597,11 @@ def _setup_from_args(args) -> Setup:
         return Setup(
             device=device, dtype=dtype, target=dict(TARGET_SMOKE), ctx=args.ctx or 96,
             nodes=_int_list(args.nodes) if args.nodes else (64,), draft_vocab=128, hf_tokens=(1, 64),
-            reps=args.reps or 3, copy_bytes=8 << 20, smoke=True,
+            reps=args.reps or 3, copy_bytes=8 << 20, smoke=True, inductor=args.inductor,
         )  # fmt: skip
     return Setup(
         device=torch.device("cuda"), dtype=torch.bfloat16, target=dict(TARGET_8B), ctx=args.ctx or 2048,
-        nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20,
+        nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20, inductor=args.inductor,
     )  # fmt: skip
 
 
@@ -619,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed replays per variant (default 20; smoke 3)")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
     parser.add_argument("--smoke", action="store_true", help="a tiny random Llama on any device (CI)")
+    parser.add_argument("--inductor", action="store_true",
+                        help="compile the rewritten target with Inductor (minutes per graph shape on a slow host)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.smoke and not torch.cuda.is_available():
@@ -634,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     import treecompile  # noqa: F401  registers torch.ops.treespec
 
-    mode = "CUDA graphs" if setup.graphs else "eager, no graphs"
+    mode = ("CUDA graphs" if setup.graphs else "eager, no graphs") + (" of Inductor code" if setup.inductor else "")
     _say(f"device {setup.device} ({mode}), {setup.dtype}, ctx {setup.ctx}, nodes {list(setup.nodes)}, "
          f"reps {setup.reps}{', smoke' if setup.smoke else ''}")  # fmt: skip
     result = RoundsBench(setup).run()
