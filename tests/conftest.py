@@ -37,3 +37,13 @@ def poisoned(shape, dtype, device="cpu"):
 def kernel_device():
     """Where Triton launchers run in this session: CUDA when present, else CPU under the interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-tensor tests: on a busy 2-core machine more threads only
+    add spin-wait contention. Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -27,7 +27,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run_demo", "demo_results", "shipped_head_path", "tree_for_device"]
+__all__ = [
+    "run_demo", "demo_results", "shipped_head_path", "tree_for_device", "eos_token_ids", "pad_token_id",
+    "hf_greedy", "trim_at_eos", "speculator_seq_len", "running_accept_lengths", "sync",
+]  # fmt: skip
 
 # Tree shapes (topk, steps, num_nodes) per device. Measured on the 2-core CPU with the shipped head (float32,
 # 1 thread, 8 prompts x 64 tokens, one-forward prefill; heads/README.md), tokens/s: 5.0 (2,3,6), 4.7 (2,4,8),
@@ -56,16 +59,61 @@ def tree_for_device(device: torch.device) -> tuple[int, int, int]:
     return CUDA_TREE if device.type == "cuda" else CPU_TREE
 
 
-def _sync(device: torch.device) -> None:
+# Helpers shared with the end-to-end benchmark (treecompile/bench/e2e.py).
+
+
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA), so wall-clock times cover it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _trim(tokens: list[int], eos: list[int]) -> list[int]:
+def trim_at_eos(tokens: list[int], eos: list[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS id (the padding after it dropped)."""
     for i, t in enumerate(tokens):
         if t in eos:
             return tokens[: i + 1]
     return tokens
+
+
+def eos_token_ids(model) -> list[int]:
+    """The EOS ids of ``model.generation_config`` as a list (empty when it has none)."""
+    eos = model.generation_config.eos_token_id
+    return [int(e) for e in ([eos] if isinstance(eos, int) else eos or [])]
+
+
+def pad_token_id(tokenizer, eos: list[int]) -> int:
+    """The tokenizer's pad id, else the first EOS id, else 0 (``tokenizer`` may be None)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return int(pad) if pad is not None else (eos[0] if eos else 0)
+
+
+def hf_greedy(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int,
+              eos: list[int], pad: int, **generate_kwargs) -> list[list[int]]:  # fmt: skip
+    """Plain greedy decoding with HF ``model.generate(do_sample=False)``: the new tokens of each row of a
+    (left-padded) batch, untrimmed. ``generate_kwargs`` go to ``generate`` (e.g. ``cache_implementation``)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             num_beams=1, temperature=None, top_p=None, top_k=None, eos_token_id=eos or None,
+                             pad_token_id=pad, **generate_kwargs)  # fmt: skip
+    return out[:, input_ids.shape[1]:].tolist()
+
+
+def speculator_seq_len(longest_prompt: int, max_new_tokens: int, num_nodes: int) -> int:
+    """Cache keys per request a speculator needs for this run, rounded up to whole pages. (The CPU attention
+    reference reads every slot the cache can address: size it to the run, not to 4096.)"""
+    need = longest_prompt + max_new_tokens + num_nodes + 1
+    return -(-need // PAGE_SIZE) * PAGE_SIZE
+
+
+def running_accept_lengths(accept_lengths: torch.Tensor, row: int | None = None) -> torch.Tensor:
+    """The accept lengths of rounds in which a request still ran (finished requests report 0), flattened;
+    of one request when ``row`` is given."""
+    alen = accept_lengths if row is None else accept_lengths[:, row]
+    alen = alen.flatten()
+    return alen[alen > 0]
 
 
 def demo_results(
@@ -114,25 +162,17 @@ def demo_results(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # no fast bf16 matmul on most CPUs
     model, tokenizer = load_smollm2(dtype=dtype, device=device)
     drafter = EagleDrafter.from_pretrained(head_path, model)
-    eos = [int(e) for e in ([model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
-                            else model.generation_config.eos_token_id or [])]  # fmt: skip
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    eos = eos_token_ids(model)
+    pad = pad_token_id(tokenizer, eos)
     ids = [torch.tensor([chat_ids(tokenizer, t)], device=device) for t in texts]
-    longest = max(x.shape[1] for x in ids)
-    # The CPU attention reference reads every slot the cache can address: size it to this run, not 4096.
-    need = longest + max_new_tokens + num_nodes + 1
-    max_seq_len = -(-need // PAGE_SIZE) * PAGE_SIZE
+    max_seq_len = speculator_seq_len(max(x.shape[1] for x in ids), max_new_tokens, num_nodes)
     # Prefill in one forward of up to 64 rows, as HF does (in chunks of N rows, a 50-token chat prompt took
     # 5 verify-sized forwards: more than a whole short answer's rounds on the CPU).
     spec = TreeSpeculator(model, drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=1,
                           max_seq_len=max_seq_len, page_size=PAGE_SIZE, prefill_chunk=PREFILL_CHUNK)  # fmt: skip
 
     def plain(x, n):
-        with torch.no_grad():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, num_beams=1,
-                                 temperature=None, top_p=None, top_k=None, eos_token_id=eos or None,
-                                 pad_token_id=pad)  # fmt: skip
-        return out[0, x.shape[1]:].tolist()
+        return hf_greedy(model, x, None, n, eos, pad)[0]
 
     one_node = None
     if treecompile_plain:
@@ -150,26 +190,25 @@ def demo_results(
     outputs, t_tree, t_plain, n_tree, n_plain, accepted, rounds = [], 0.0, 0.0, 0, 0, 0, 0
     t_one, n_one = 0.0, 0
     for text, x in zip(texts, ids):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         res = spec.generate(x, max_new_tokens=max_new_tokens, eos_token_id=eos or None)
-        _sync(device)
+        sync(device)
         t_tree += time.perf_counter() - t
-        tree_tokens = _trim(res.sequences[0, x.shape[1]:].tolist(), eos)
+        tree_tokens = trim_at_eos(res.sequences[0, x.shape[1]:].tolist(), eos)
         t = time.perf_counter()
-        plain_tokens = _trim(plain(x, max_new_tokens), eos)
-        _sync(device)
+        plain_tokens = trim_at_eos(plain(x, max_new_tokens), eos)
+        sync(device)
         t_plain += time.perf_counter() - t
         one_tokens = plain_tokens
         if one_node is not None:
             t = time.perf_counter()
             one = one_node.generate(x, max_new_tokens=max_new_tokens, eos_token_id=eos or None)
-            _sync(device)
+            sync(device)
             t_one += time.perf_counter() - t
-            one_tokens = _trim(one.sequences[0, x.shape[1]:].tolist(), eos)
+            one_tokens = trim_at_eos(one.sequences[0, x.shape[1]:].tolist(), eos)
             n_one += len(one_tokens)
-        alen = res.accept_lengths[:, 0]
-        alen = alen[alen > 0]
+        alen = running_accept_lengths(res.accept_lengths, 0)
         accepted += int(alen.sum())
         rounds += int(alen.numel())
         n_tree += len(tree_tokens)

@@ -17,13 +17,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 VOCAB = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny float64 matmuls: intra-op threads only add spin-wait contention on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def tiny_model(family: str, seed: int = 0, layers: int = 3):

@@ -23,13 +23,7 @@ from treecompile.target import chain_mask
 VOCAB_CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: intra-op threads only add spin-wait contention on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def char_tokenizer():

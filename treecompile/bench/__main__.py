@@ -8,6 +8,8 @@ import sys
 BENCHES = {
     "attention": "treecompile.bench.attention",
     "rounds": "treecompile.bench.rounds",
+    "e2e": "treecompile.bench.e2e",
+    "linear": "treecompile.bench.linear",
 }
 
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Follow tests/gpu/pipeline.sh for up to $1 seconds (default 540), then collect what it has made into $OUT:
+# results.tar.gz (logs, JSON, PNG) and, once trained, the chosen head split into <16 MB parts.
+P=${P:-/tmp/pipe}
+OUT=${OUT:-/tmp/out}
+limit=${1:-540}
+t0=$(date +%s)
+seen=0
+while [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
+  n=$(wc -l < "$P/stages.log" 2>/dev/null || echo 0)
+  if [ "$n" -gt "$seen" ]; then sed -n "$((seen + 1)),${n}p" "$P/stages.log"; seen=$n; fi
+  grep -q DONE "$P/stages.log" 2>/dev/null && break
+  sleep 10
+done
+for f in "$P"/train*.log; do [ -f "$f" ] && { echo "--- $f"; tr '\r' '\n' < "$f" | grep -v "^$" | tail -4; }; done
+for f in "$P"/head_tau.log "$P"/e2e_b1.log "$P"/linear.log "$P"/e2e_b416.log "$P"/demo.log; do
+  [ -f "$f" ] && { echo "--- $f"; tail -25 "$f"; }
+done
+mkdir -p "$OUT"
+tar czf "$OUT/results.tar.gz" -C "$P" . 2>/dev/null
+if [ -f /tmp/head/model.safetensors ]; then
+  (cd /tmp/head && tar cf - . | split -b 15m - "$OUT/head.tar.part.")
+fi
+ls -la "$OUT"
