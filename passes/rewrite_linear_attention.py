@@ -27,8 +27,8 @@ created (:func:`allow_seams_in_graph`) and each arrives here as ONE call node. F
    them after acceptance) and emits ``treespec::causal_conv1d_tree_update(x, conv_state[i][:B], w, b,
    parents[:B, :T], activation)``, transposed back to HF's ``[B, C, T]``;
 3. recurrence: GDN -> ``treespec::gdn_tree_verify(q, k, v, g, beta, ssm_state[i][:B], parents, workspace
-   [:B], payload[i][:B])`` (``gdn_tree_verify_chunked`` without the workspace for forwards of 8..16 rows,
-   unless the binding says ``gdn_chunked=False``) or, with ``replay_ssm=False``, ``gdn_tree_verify_staged(q, k, v, g, beta,
+   [:B], payload[i][:B])`` (``gdn_tree_verify_chunked`` without the workspace for forwards of 8..16 rows
+   when the binding says ``gdn_chunked=True``) or, with ``replay_ssm=False``, ``gdn_tree_verify_staged(q, k, v, g, beta,
    ssm_state[i][:B], parents, scratch[i][:B])``; Mamba2 -> ``treespec::mamba2_tree_verify(x, dt, A, B, C,
    D, dt_bias, ssm_state[i][:B], parents, payload[i][:B], ...)`` or, with ``replay_ssm=False``,
    ``mamba2_tree_verify_staged(..., scratch[i][:B], ...)``; the result is cast to the dtype HF's seam
@@ -54,8 +54,10 @@ from treecompile.registry import LINEAR_ATTENTION_CLASSES
 
 from ._graph import example_dtype, example_shape, module_stack
 
-# Forwards of CHUNKED_MIN_ROWS..CHUNKED_MAX_NODES rows run GDN in the chunked tree form (issue #6: trees of
-# 8..16 nodes); shorter ones (a decode step, small trees) and longer ones run the sequential tree kernel.
+# With ``TargetBinding(gdn_chunked=True)``, forwards of CHUNKED_MIN_ROWS..CHUNKED_MAX_NODES rows run GDN in
+# the chunked tree form (issue #6: trees of 8..16 nodes); shorter ones (a decode step, small trees) and longer
+# ones run the sequential tree kernel. Off by default: on the H200 the chunked kernel takes 71 us/layer at
+# Qwen3-Next shapes against the sequential kernel's 17 us (N=8) / 32 us (N=16) (BENCHMARKS.md, "Linear").
 CHUNKED_MIN_ROWS = 8
 
 logger = logging.getLogger(__name__)

@@ -100,6 +100,8 @@ class TreeSpeculator:
         node's (GDN and Mamba2).
     ssm_state_dtype : dtype of the linear-attention recurrent state pools; default float32 (float64 for a
         float64 model on CPU). Anything else is refused at startup.
+    gdn_chunked : GDN verify of 8..16-node trees in the chunked tree form (``gdn_tree_verify_chunked``)
+        instead of the sequential tree kernel (default off: slower on the H200, BENCHMARKS.md "Linear").
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class TreeSpeculator:
         do_sample: bool = False,
         replay_ssm: bool = True,
         ssm_state_dtype: torch.dtype | None = None,
+        gdn_chunked: bool = False,
     ) -> None:
         topk = _positive_int("topk", topk)
         steps = _positive_int("steps", steps)
@@ -170,7 +173,7 @@ class TreeSpeculator:
         self.binding = TargetBinding(
             model, max_batch_size, self.max_seq_len, max_rows=max_rows, page_size=page_size,
             layers=resolved.target_layers, linear_layers=resolved.linear_layers, replay_ssm=replay_ssm,
-            state_dtype=ssm_state_dtype,
+            state_dtype=ssm_state_dtype, gdn_chunked=gdn_chunked,
         )  # fmt: skip
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)

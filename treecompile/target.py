@@ -113,6 +113,8 @@ class TargetBinding:
     replay_ssm : commit recurrent state by replaying the accepted path's payload rows (default); False
         stages every node's state in a per-layer scratch and commits the last accepted node's.
     state_dtype : recurrent state pools' dtype; default float32 (float64 for a float64 model on CPU).
+    gdn_chunked : run GDN forwards of 8..16 rows with ``gdn_tree_verify_chunked`` (the chunked tree form, no
+        workspace) instead of the sequential tree kernel. Off by default: slower on the H200 so far.
 
     Attributes
     ----------
@@ -141,7 +143,7 @@ class TargetBinding:
         linear_layers: list[LinearAttentionLayer] | None = None,
         replay_ssm: bool = True,
         state_dtype: torch.dtype | None = None,
-        gdn_chunked: bool = True,
+        gdn_chunked: bool = False,
     ) -> None:
         if not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_NODES:
             raise ValueError(f"max_rows: must be an int in 1..{MAX_NODES}, got {max_rows!r}")

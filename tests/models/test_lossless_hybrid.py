@@ -72,9 +72,11 @@ def test_random_drafter_matches_hf_greedy(family):
         assert_same(out, hf_greedy(model, ids, mask, 12), 12)
 
 
-# (family, topk, steps, num_nodes, replay_ssm): the chain (topk=1), wide and deep trees, the staged path.
+# (family, topk, steps, num_nodes, replay_ssm): the chain (topk=1), wide and deep trees, the staged path;
+# "chunked": GDN runs the chunked tree form (8..16 nodes).
 SHAPES = [
-    ("qwen3_next", 2, 4, 8, True),
+    ("qwen3_next", 2, 4, 8, "chunked"),
+    ("qwen3_5", 3, 4, 12, "chunked"),
     ("qwen3_next", 2, 3, 6, False),
     ("qwen3_5", 1, 4, 5, True),
     ("qwen3_5", 3, 2, 6, False),
@@ -86,13 +88,13 @@ SHAPES = [
 
 @pytest.mark.parametrize(
     "family,topk,steps,num_nodes,replay", SHAPES,
-    ids=[f"{f}-K{k}-S{s}-N{n}{'' if r else '-staged'}" for f, k, s, n, r in SHAPES],
+    ids=[f"{f}-K{k}-S{s}-N{n}{'-chunked' if r == 'chunked' else '' if r else '-staged'}" for f, k, s, n, r in SHAPES],
 )  # fmt: skip
 def test_oracle_drafter_accepts_deep_paths_and_stays_lossless(family, topk, steps, num_nodes, replay):
     model = tiny_model(family, seed=3)
     drafter = OracleDrafter.build(model, noise=0.0 if topk == 1 else 0.6, seed=2)
     spec = TreeSpeculator(model, drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=2,
-                          max_seq_len=96, page_size=8, replay_ssm=replay)  # fmt: skip
+                          max_seq_len=96, page_size=8, replay_ssm=bool(replay), gdn_chunked=replay == "chunked")  # fmt: skip
     g = torch.Generator().manual_seed(11)
     accepted = []
     for _ in range(2):
