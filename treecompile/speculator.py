@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from typing import Sequence
 
 import torch
@@ -59,6 +60,43 @@ _SUPPORTED_DTYPES = {
     "cuda": (torch.bfloat16, torch.float16, torch.float32),
 }
 _UNSET = object()
+
+
+def _draft_hook(drafter, name: str, *args):
+    return getattr(drafter, name)(*args)
+
+
+class DraftHooks:
+    """The drafter hooks a draft round calls (``draft_step0``, ``draft_lanes``, ``score_candidates``).
+
+    With ``inductor`` each is compiled by Inductor (``dynamic=False``; graph breaks allowed, so a custom
+    drafter with Python logic still runs): the midlayer's norms, RoPE, MLP glue and the LM head's softmax and
+    top-k fuse around the treespec cache ops instead of running as dozens of small eager kernels per step
+    (BENCHMARKS.md, "Rounds"). Each hook gets a private code object per speculator, so shapes of different
+    speculators never share Dynamo's recompile limit (as :class:`treecompile.target.TargetRunner` does).
+    """
+
+    NAMES = ("draft_step0", "draft_lanes", "score_candidates")
+
+    def __init__(self, drafter, inductor: bool) -> None:
+        self.inductor = bool(inductor)
+        for name in self.NAMES:
+            if not self.inductor:
+                setattr(self, name, getattr(drafter, name))
+                continue
+            code = _draft_hook.__code__.replace(co_name=f"_{name}_{id(self):x}")
+            fn = types.FunctionType(code, _draft_hook.__globals__, code.co_name)
+            compiled = torch.compile(fn, dynamic=False)
+            setattr(self, name, self._no_grad(compiled, drafter, name))
+
+    @staticmethod
+    def _no_grad(compiled, drafter, name: str):
+        # Inference only: with grad on, Inductor would build a joint graph the treespec ops cannot serve.
+        def call(*args):
+            with torch.no_grad():
+                return compiled(drafter, name, *args)
+
+        return call
 
 
 @dataclasses.dataclass
@@ -92,7 +130,8 @@ class TreeSpeculator:
     page_size : KV cache page size.
     prefill_chunk : prompt rows per prefill forward (<= 64); default ``num_nodes`` so prefill and verify
         share one compiled graph.
-    inductor : compile the rewritten target with Inductor (default: on CUDA only).
+    inductor : compile the rewritten target and the drafter's round hooks with Inductor (default: on CUDA
+        only).
     cuda_graphs : capture and replay the draft and verify rounds (default: on CUDA).
     do_sample : only greedy is supported; True is refused at startup by capability resolution.
     replay_ssm : linear-attention layers commit by replaying the accepted path's payload rows (default);
@@ -176,6 +215,7 @@ class TreeSpeculator:
             state_dtype=ssm_state_dtype, gdn_chunked=gdn_chunked,
         )  # fmt: skip
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
+        self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)
         self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
@@ -458,7 +498,7 @@ class TreeSpeculator:
     def _draft_round(self, st) -> None:
         """Step 0 and the lanes; leaves the selected tree in the TreeSpec and ``tree_tokens``."""
         B, K, S = st["B"], self.topk, self.steps
-        cache, drafter = self.draft_cache, self.drafter
+        cache, drafter = self.draft_cache, self.draft_hooks
         vc, dvc = st["vc"], st["dvc"]
         context = DraftContext(history=st["history"], vc=vc, lane_tokens=st["lane_tokens"], step=0)
         pos0 = dvc[:, None] + st["rows_p"]
