@@ -71,6 +71,9 @@ def _add_demo(sub) -> None:
     p.add_argument("--tree", default=None, metavar="K,S,N", help="override the tree shape: topk,steps,num_nodes")
     p.add_argument("--treecompile-plain", action="store_true",
                    help="also time treecompile's own plain decode (one-node tree; one more graph to compile)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the target's dtype (default float32: greedy text is reproducible across kernels only "
+                   "there; bf16 trees and plain decoding round differently)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
 
 
@@ -133,7 +136,8 @@ def _run_demo(args) -> int:
         except ValueError:
             raise ValueError(f"tree: expected three ints K,S,N (e.g. 2,4,8), got {args.tree!r}") from None
     return run_demo(device=args.device or _default_device(), max_new_tokens=args.max_new_tokens, as_json=args.json,
-                    prompts=args.prompts, head=args.head, tree=tree, treecompile_plain=args.treecompile_plain)  # fmt: skip
+                    prompts=args.prompts, head=args.head, tree=tree, treecompile_plain=args.treecompile_plain,
+                    dtype=args.dtype)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,12 +32,12 @@ __all__ = [
     "hf_greedy", "trim_at_eos", "speculator_seq_len", "running_accept_lengths", "sync",
 ]  # fmt: skip
 
-# Tree shapes (topk, steps, num_nodes) per device. Measured on the 2-core CPU with the shipped head (float32,
-# 1 thread, 8 prompts x 64 tokens, one-forward prefill; heads/README.md), tokens/s: 5.0 (2,3,6), 4.7 (2,4,8),
-# 4.6 (3,4,12), 4.4 (4,5,16). A verify forward grows faster with N than this head's tau does, so the
-# smallest tree wins there (and still loses to plain decode: see heads/README.md).
-CPU_TREE = (2, 3, 6)
-# A GPU verify of up to 64 rows costs about one decode step (weight-read bound): a deep, wide tree.
+# Tree shapes (topk, steps, num_nodes) per device, measured with the shipped (GPU-trained) head.
+# CPU (2-core VM, float32, 1 thread, the 4 demo prompts, tokens/s vs treecompile's own plain decode; two demo
+# runs shared the CPU): 1.05x (2,3,6), 1.05x (2,4,8), 1.23x (3,4,12), 1.20x (4,5,16), 0.99x chain (1,4,5).
+CPU_TREE = (3, 4, 12)
+# H200 (bf16, 12 held-out prompts x 256 tokens, BENCHMARKS.md "End to end"): (4,6,32) is the fastest tree with
+# Inductor (610.7 tokens/s; (8,6,64) 580.6), the demo's default compile path on CUDA.
 CUDA_TREE = (4, 6, 32)
 PAGE_SIZE = 64
 PREFILL_CHUNK = 64  # the most rows one forward takes (MAX_NODES)
@@ -123,13 +123,17 @@ def demo_results(
     head: str | None = None,
     tree: tuple[int, int, int] | None = None,
     treecompile_plain: bool = False,
+    dtype: str = "float32",
 ) -> dict:
     """Run the demo and return its results (what ``--json`` prints, plus per-prompt texts under
     ``"outputs"``).
 
     ``tree`` overrides the device's (topk, steps, num_nodes); ``head`` the shipped head's directory.
     ``treecompile_plain`` also times treecompile's own plain decode (the one-node tree: same runtime, no
-    drafts) and adds ``tokens_per_s_plain_treecompile``. Raises ``ValueError`` on bad arguments and
+    drafts) and adds ``tokens_per_s_plain_treecompile``. ``dtype`` (``"float32"`` by default, also on CUDA)
+    is the target's: greedy text is reproducible across kernels in float32, while in bfloat16 the tree's
+    N-row verify and a 1-row decode round differently and near-tied tokens flip (BENCHMARKS.md, "End to
+    end": on the H200 even HF's own compiled decode matched its eager decode on 3 of 12 prompts). Raises ``ValueError`` on bad arguments and
     :class:`treecompile.models.MissingDependencyError` (an ``ImportError`` naming what to install) when
     SmolLM2's package is missing.
     """
@@ -159,7 +163,10 @@ def demo_results(
         raise ValueError(f"head: {str(head_path)!r} has no config.json (expected an EAGLE-3 head directory)")
     topk, steps, num_nodes = tree if tree is not None else tree_for_device(device)
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # no fast bf16 matmul on most CPUs
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype: one of {sorted(dtypes)}, got {dtype!r}")
+    dtype = dtypes[dtype]
     model, tokenizer = load_smollm2(dtype=dtype, device=device)
     drafter = EagleDrafter.from_pretrained(head_path, model)
     eos = eos_token_ids(model)
@@ -248,11 +255,12 @@ def demo_results(
 
 
 def run_demo(device="cpu", max_new_tokens: int = 96, as_json: bool = False, prompts: int | None = None,
-             head: str | None = None, tree: tuple[int, int, int] | None = None, treecompile_plain: bool = False) -> int:  # fmt: skip
+             head: str | None = None, tree: tuple[int, int, int] | None = None, treecompile_plain: bool = False,
+             dtype: str = "float32") -> int:  # fmt: skip
     """The ``treecompile demo`` command: run :func:`demo_results` and print it (one JSON line with
     ``as_json``). Returns the process exit status (1 when the outputs differ)."""
     res = demo_results(device=device, max_new_tokens=max_new_tokens, prompts=prompts, head=head, tree=tree,
-                       treecompile_plain=treecompile_plain)  # fmt: skip
+                       treecompile_plain=treecompile_plain, dtype=dtype)  # fmt: skip
     if as_json:
         print(json.dumps({k: v for k, v in res.items() if k != "outputs"}))
     else:

@@ -73,3 +73,10 @@ def test_bad_input_is_one_clear_line(args, match, capsys):
     assert main(["demo", "--device", "cpu", *args] if args[0] != "--device" else ["demo", *args]) == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+def test_bad_dtype_is_refused_before_loading():
+    from treecompile.demo import demo_results
+
+    with pytest.raises(ValueError, match=r"dtype: one of \['bfloat16', 'float16', 'float32'\], got 'int8'"):
+        demo_results(device="cpu", dtype="int8")
