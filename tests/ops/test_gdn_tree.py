@@ -22,6 +22,19 @@ hf_gdn = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next
 # --------------------------------------------------------------------------------------------------
 
 
+
+def hf_like_inputs(hk: int, hv: int, dk: int, dv: int, n: int, seed: int):
+    """float64 inputs as HF's GDN layer hands them over: q, k, v strided views of one mixed_qkv projection
+    ``[1, n, H, D]``; g = -rand, beta = rand ``[1, n, hv]``; a random state ``[1, hv, dk, dv]``."""
+    gen = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(1, n, 2 * hk * dk + hv * dv, generator=gen, dtype=torch.float64)  # HF's mixed_qkv
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(1, n, hk, dk), k.reshape(1, n, hk, dk), v.reshape(1, n, hv, dv)
+    assert not q.is_contiguous()
+    gb = torch.rand(1, n, 2 * hv, generator=gen, dtype=torch.float64)
+    state = torch.randn(1, hv, dk, dv, generator=gen, dtype=torch.float64)
+    return q, k, v, -gb[..., :hv], gb[..., hv:], state
+
 def make_parents(kind: str, n: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     if kind == "chain":
@@ -181,14 +194,7 @@ def test_verify_gqa_odd_dims_strided_inputs(shape, impl):
     hk, hv, dk, dv = shape
     parents = parents_tensor([("random", 7)], seed=3)
     n = parents.shape[1]
-    gen = torch.Generator().manual_seed(1)
-    mixed = torch.randn(1, n, 2 * hk * dk + hv * dv, generator=gen, dtype=torch.float64)  # HF's mixed_qkv
-    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
-    q, k, v = q.reshape(1, n, hk, dk), k.reshape(1, n, hk, dk), v.reshape(1, n, hv, dv)
-    assert not q.is_contiguous()
-    gb = torch.rand(1, n, 2 * hv, generator=gen, dtype=torch.float64)
-    g, beta = -gb[..., :hv], gb[..., hv:]
-    state = torch.randn(1, hv, dk, dv, generator=gen, dtype=torch.float64)
+    q, k, v, g, beta, state = hf_like_inputs(hk, hv, dk, dv, n, seed=1)
     for scale, l2 in ((0.3, True), (0.05, False)):
         o, workspace, payload = run_verify(IMPLS[impl], q, k, v, g, beta, state, parents, scale, l2)
         check_against_oracle(

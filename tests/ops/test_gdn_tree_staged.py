@@ -15,6 +15,7 @@ from test_gdn_tree import (
     accepted_paths,
     chain_oracle,
     hf_decode,
+    hf_like_inputs,
     leaves,
     make_inputs,
     node_oracle,
@@ -88,14 +89,7 @@ def test_staged_gqa_odd_dims_strided_inputs(impl):
     hk, hv, dk, dv = 1, 2, 12, 80
     parents = parents_tensor([("random", 6)], seed=3)
     n = parents.shape[1]
-    gen = torch.Generator().manual_seed(2)
-    mixed = torch.randn(1, n, 2 * hk * dk + hv * dv, generator=gen, dtype=torch.float64)  # HF's mixed_qkv
-    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
-    q, k, v = q.reshape(1, n, hk, dk), k.reshape(1, n, hk, dk), v.reshape(1, n, hv, dv)
-    assert not q.is_contiguous()
-    gb = torch.rand(1, n, 2 * hv, generator=gen, dtype=torch.float64)
-    g, beta = -gb[..., :hv], gb[..., hv:]
-    state = torch.randn(1, hv, dk, dv, generator=gen, dtype=torch.float64)
+    q, k, v, g, beta, state = hf_like_inputs(hk, hv, dk, dv, n, seed=2)
     o, scratch = run_staged(impl, q, k, v, g, beta, state, parents, 0.2, False)
     oracle = node_oracle(q, k, v, g, beta, state, parents, scale=0.2, use_qk_l2norm=False)
     for t in range(n):

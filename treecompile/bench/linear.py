@@ -57,13 +57,12 @@ import json
 import logging
 import math
 import time
-import traceback
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from treecompile.bench.rounds import Clock, _reason, measure_copy_bandwidth
+from treecompile.bench.rounds import Clock, _reason, attempt, measure_copy_bandwidth
 
 logger = logging.getLogger(__name__)
 
@@ -405,21 +404,8 @@ class LinearBench:
         return row
 
     def _attempt(self, rows: list[Row], what: Callable[[], None]) -> bool:
-        """Run ``what``; on failure mark every row in ``rows`` that has no time yet as failed."""
-        t0 = time.time()
-        try:
-            with torch.no_grad():
-                what()
-            return True
-        except Exception as exc:  # noqa: BLE001 - report the variant and go on
-            reason = _reason(exc)
-            logger.debug("%s", traceback.format_exc())
-            for row in rows:
-                if row.us is None:
-                    row.note = f"fail: {reason}"
-                    _say(f"{row.model} {row.label} {row.size}: fail: {reason} ({time.time() - t0:.1f} s)")
-            self.clock.recover()
-            return False
+        return attempt(rows, what, self.clock, untimed=lambda row: row.us is None, say=lambda row, msg: _say(
+            f"{row.model} {row.label} {row.size}: {msg}"))
 
     def _timed(self, row: Row, fns: list[Callable[[], object]], calls_per_layer: int = 1) -> None:
         """One graph making every call of ``fns`` once, in order; microseconds per layer."""

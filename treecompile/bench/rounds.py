@@ -101,6 +101,26 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}".rstrip(": ")
 
 
+def attempt(rows, what: Callable[[], None], clock, untimed: Callable, say: Callable) -> bool:
+    """Run one variant's ``what`` (no grad) for a benchmark that goes on past failures: on an exception,
+    every row of ``rows`` still ``untimed(row)`` gets the note ``fail: <reason>`` and ``say(row, message)``
+    reports it; the clock recovers the device (a failed capture leaves a stream in capture mode)."""
+    t0 = time.time()
+    try:
+        with torch.no_grad():
+            what()
+        return True
+    except Exception as exc:  # noqa: BLE001 - report the variant and go on
+        reason = _reason(exc)
+        logger.debug("%s", traceback.format_exc())
+        for row in rows:
+            if untimed(row):
+                row.note = f"fail: {reason}"
+                say(row, f"fail: {reason} ({time.time() - t0:.1f} s)")
+        clock.recover()
+        return False
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------------------
@@ -298,21 +318,8 @@ class RoundsBench:
         return row
 
     def _attempt(self, rows: list[Row], what: Callable[[], None]) -> bool:
-        """Run ``what``; on failure mark every row in ``rows`` that has no time yet as failed."""
-        t0 = time.time()
-        try:
-            with torch.no_grad():
-                what()
-            return True
-        except Exception as exc:  # noqa: BLE001 - report the variant and go on
-            reason = _reason(exc)
-            logger.debug("%s", traceback.format_exc())
-            for row in rows:
-                if row.ms is None:
-                    row.note = f"fail: {reason}"
-                    _say(f"{row.label}: fail: {reason} ({time.time() - t0:.1f} s)")
-            self.clock.recover()
-            return False
+        return attempt(rows, what, self.clock, untimed=lambda row: row.ms is None, say=lambda row, msg: _say(
+            f"{row.label}: {msg}"))
 
     def _timed(self, row: Row, run: Callable[[], None], pre: Callable[[], None] | None = None) -> None:
         row.ms = self.clock.time(run, pre)
