@@ -119,6 +119,10 @@ if HAS_TRITON:
 def kv_write_reference(k_cache, v_cache, k, v, slots) -> None:
     """Pure-torch kv_write (the CPU path): out-of-range slots are skipped."""
     ok = (slots >= 0) & (slots < k_cache.shape[0])
+    if bool(ok.all()):  # the common case, one index_copy_ per cache (the check is free on the CPU)
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        return
     idx = slots[ok]
     k_cache[idx] = k[ok].to(k_cache.dtype)
     v_cache[idx] = v[ok].to(v_cache.dtype)

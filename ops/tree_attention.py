@@ -67,9 +67,7 @@ def tree_attention_paged(
         return _launch_tree_attention_paged(
             q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale
         )
-    return tree_attention_paged_reference(
-        q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale
-    )
+    return _tree_attention_paged_cpu(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale)
 
 
 @tree_attention_paged.register_fake
@@ -267,6 +265,43 @@ def tree_attention_paged_reference(
     probs = torch.where(vis, probs, torch.zeros((), dtype=work))  # rows with no key: NaN -> 0
     out = torch.einsum("bhgrc,bchd->brhgd", probs, vals).reshape(B, R, Hq, D)
     return out.to(q.dtype)
+
+
+def _tree_attention_paged_cpu(
+    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale
+) -> torch.Tensor:
+    """The CPU path: the reference's math on the keys that can be visible only, through SDPA.
+
+    Reads keys ``[0, max_b(P_b) + window)`` instead of every addressable one (the host read of the longest
+    prefix is free on the CPU, which captures nothing), and lets PyTorch's fused SDPA do the masked
+    softmax-matmul (float32 at least, as the reference). Unseen values are cleared and rows that see no key
+    return zeros, exactly as the reference; tests compare the op against the reference in float64.
+    """
+    B, R, Hq, D = q.shape
+    num_slots, Hkv, _ = k_cache.shape
+    work = torch.promote_types(q.dtype, torch.float32)
+    capacity = page_table.shape[1] * page_size
+    longest = int(prefix_len.max()) if B else 0
+    C = max(1, min(capacity, max(longest, 0) + window))
+    t = torch.arange(C, device=q.device)
+    pages = page_table.long()[:, t // page_size]  # [B, C]
+    slots = (pages * page_size + t % page_size).clamp(0, num_slots - 1)
+    P = prefix_len.long()[:, None]
+    j = t[None, :] - P
+    in_window = (j >= 0) & (j < window)
+    bit = (ancestor_mask[:, :, None] >> j.clamp(0, MAX_NODES - 1)[:, None, :]) & 1
+    visible = (t[None, None, :] < P[:, :, None]) | (in_window[:, None, :] & (bit != 0))  # [B, R, C]
+    # SDPA adds its boolean mask as 0 / -inf, and NaN + -inf is NaN: keys and values no row looks at (stale
+    # or never written slots) are cleared, so masked scores are exact -inf and 0-probability x value is 0.
+    seen = visible.any(dim=1)[:, :, None, None]  # [B, C, 1, 1]
+    zero = torch.zeros((), dtype=work)
+    keys = torch.where(seen, k_cache[slots].to(work), zero).transpose(1, 2)  # [B, Hkv, C, D]
+    vals = torch.where(seen, v_cache[slots].to(work), zero).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.to(work).transpose(1, 2), keys, vals, attn_mask=visible[:, None], scale=scale, enable_gqa=Hq != Hkv,
+    )  # fmt: skip  # [B, Hq, R, D]
+    out = torch.where(visible.any(dim=-1)[:, None, :, None], out, zero)
+    return out.transpose(1, 2).contiguous().to(q.dtype)
 
 
 def tree_attention_reference(q, k, v, ancestor_mask, prefix_len, scale=None) -> torch.Tensor:
