@@ -496,7 +496,12 @@ class TreeSpeculator:
         self._commit(st)
 
     def _draft_round(self, st) -> None:
-        """Step 0 and the lanes; leaves the selected tree in the TreeSpec and ``tree_tokens``."""
+        """Step 0 and the lanes; leaves the selected tree in the TreeSpec and ``tree_tokens``. A one-node tree
+        (``num_nodes=1``: plain decoding through the same runtime) is just the root, the last verify's bonus
+        token: nothing to draft, so the head does not run."""
+        if self.num_nodes == 1:
+            st["tree_tokens"].copy_(st["root"][:, None])
+            return
         B, K, S = st["B"], self.topk, self.steps
         cache, drafter = self.draft_cache, self.draft_hooks
         vc, dvc = st["vc"], st["dvc"]

@@ -13,9 +13,9 @@ Configurations (``--configs`` picks a subset; ``tc_tree`` stands for every ``--t
   ENV.md). The static cache is sized once for the whole run (``max_cache_len``) so no batch recompiles for a
   new cache length. Its compilation (minutes on the GPU host) happens in the warm-up, reported apart;
   ``--skip-hf-compile`` drops it.
-- ``tc_plain``: treecompile's own plain decode: a one-node tree (no drafts) through the same runtime, CUDA
-  graphs. Unlike the demo's ``--treecompile-plain`` it does not run the draft head each round (its draft
-  round only sets the root), so it is the decode a speculator has to beat.
+- ``tc_plain``: treecompile's own plain decode: a one-node tree through the same runtime, CUDA graphs; its
+  rounds draft nothing (``TreeSpeculator`` skips the head for ``num_nodes=1``), so it is the decode a
+  speculator has to beat.
 - ``tc_chain``: the chain (``topk=1``, ``--chain-steps`` drafted tokens).
 - ``tc_tree``: the trees ``(topk, steps, num_nodes)`` of ``--trees``.
 
@@ -246,23 +246,6 @@ def left_pad(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Treecompile's plain decode
-# ---------------------------------------------------------------------------------------------------------
-
-
-def plain_decoder_class():
-    """TreeSpeculator whose one-node tree is just the root: no draft head runs in the rounds (prefill still
-    fills the draft cache: a few draft forwards per prompt, not per token)."""
-    from treecompile.speculator import TreeSpeculator
-
-    class PlainDecoder(TreeSpeculator):
-        def _draft_round(self, st) -> None:
-            st["tree_tokens"].copy_(st["root"][:, None])
-
-    return PlainDecoder
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The benchmark
 # ---------------------------------------------------------------------------------------------------------
 
@@ -343,10 +326,10 @@ class E2EBench:
             from treecompile.speculator import TreeSpeculator
 
             k, s, n = config.shape
-            cls = plain_decoder_class() if config.key == "tc_plain" else TreeSpeculator
-            spec = cls(self.model, self.drafter, topk=k, steps=s, num_nodes=n,
-                       max_batch_size=max(self.setup.batch_sizes), max_seq_len=self.max_seq_len,
-                       page_size=PAGE_SIZE, prefill_chunk=PREFILL_CHUNK, inductor=self.setup.inductor)  # fmt: skip
+            spec = TreeSpeculator(self.model, self.drafter, topk=k, steps=s, num_nodes=n,
+                                  max_batch_size=max(self.setup.batch_sizes), max_seq_len=self.max_seq_len,
+                                  page_size=PAGE_SIZE, prefill_chunk=PREFILL_CHUNK,
+                                  inductor=self.setup.inductor)  # fmt: skip
             if self._shared is None:
                 self._shared = (spec.binding, spec.runner)
             else:
