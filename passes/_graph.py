@@ -78,3 +78,25 @@ def is_pure(node: torch.fx.Node) -> bool:
 _OPERATOR_BINARY = {
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul",
 }
+
+
+def static_size(name: str, value) -> int:
+    """A graph size the tree metadata is sliced to: it must be a plain int (``dynamic=False``)."""
+    if not isinstance(value, int):
+        raise ValueError(
+            f"treespec pass: {name} is dynamic ({value}); compile with dynamic=False (the tree metadata "
+            "is sliced to static B and T)"
+        )
+    return value
+
+
+def check_each_layer_once(kind: str, done: list[str], bound: list[str]) -> None:
+    """Every bound layer of ``kind`` rewritten exactly once (``done``: names in rewrite order)."""
+    duplicated = sorted({name for name in done if done.count(name) > 1})
+    missing = [name for name in bound if name not in done]
+    if duplicated or missing:
+        raise ValueError(
+            f"treespec pass: the graph must rewrite each bound {kind} layer once; missing {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}, duplicated {duplicated[:4]} (compile with fullgraph=True "
+            "and a binding made for this model)"
+        )

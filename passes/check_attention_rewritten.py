@@ -12,7 +12,7 @@ import logging
 
 import torch.fx
 
-from ._graph import is_other_attention, is_sdpa
+from ._graph import check_each_layer_once, is_other_attention, is_sdpa
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +25,6 @@ def check_attention_rewritten(gm: torch.fx.GraphModule, settings) -> torch.fx.Gr
         return gm
     binding = settings.binding
     done = list(gm.treespec_layers)
-    duplicated = sorted({name for name in done if done.count(name) > 1})
-    missing = [layer.name for layer in binding.layers if layer.name not in done]
-    if duplicated or missing:
-        raise ValueError(
-            f"treespec pass: the graph must rewrite each bound attention layer once; missing {missing[:4]}"
-            f"{' ...' if len(missing) > 4 else ''}, duplicated {duplicated[:4]} (compile with fullgraph=True "
-            "and a binding made for this model)"
-        )
+    check_each_layer_once("attention", done, [layer.name for layer in binding.layers])
     logger.debug("check_attention_rewritten: %d layers rewritten, no attention left", len(done))
     return gm

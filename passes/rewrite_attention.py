@@ -32,7 +32,9 @@ import torch.fx
 
 from treecompile.registry import ATTENTION_CLASSES, is_attention_like
 
-from ._graph import example_dtype, example_shape, is_other_attention, is_repeat_step, is_sdpa, module_stack
+from ._graph import (
+    example_dtype, example_shape, is_other_attention, is_repeat_step, is_sdpa, module_stack, static_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +70,6 @@ def _sdpa_inputs(node: torch.fx.Node):
     bound = dict(zip(names, node.args))
     bound.update(node.kwargs)
     return bound
-
-
-def _static(name: str, value) -> int:
-    if not isinstance(value, int):
-        raise ValueError(
-            f"treespec pass: {name} is dynamic ({value}); compile with dynamic=False (the tree metadata "
-            "is sliced to static B and T)"
-        )
-    return value
 
 
 def rewrite_attention(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
@@ -141,8 +134,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModul
     q_shape = example_shape(_sdpa_inputs(first)["query"])
     if q_shape is None or len(q_shape) != 4:
         raise ValueError(f"treespec pass: SDPA query {first.name} has no static 4-d shape metadata")
-    B = _static("batch size", q_shape[0])
-    T = _static("rows per forward", q_shape[2])
+    B = static_size("batch size", q_shape[0])
+    T = static_size("rows per forward", q_shape[2])
     if B > binding.max_batch or T > binding.max_rows:
         raise ValueError(
             f"treespec pass: the forward has B={B} requests x T={T} rows but the binding holds "

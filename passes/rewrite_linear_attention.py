@@ -52,7 +52,7 @@ import torch.fx
 from treecompile.ops.gdn_chunk_tree import CHUNKED_MAX_NODES
 from treecompile.registry import LINEAR_ATTENTION_CLASSES
 
-from ._graph import example_dtype, example_shape, module_stack
+from ._graph import check_each_layer_once, example_dtype, example_shape, module_stack, static_size
 
 # With ``TargetBinding(gdn_chunked=True)``, forwards of CHUNKED_MIN_ROWS..CHUNKED_MAX_NODES rows run GDN in
 # the chunked tree form (issue #6: trees of 8..16 nodes); shorter ones (a decode step, small trees) and longer
@@ -119,15 +119,6 @@ def _bind(node: torch.fx.Node) -> dict:
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             args.update(args.pop(name, {}) or {})
     return args
-
-
-def _static(name: str, value) -> int:
-    if not isinstance(value, int):
-        raise ValueError(
-            f"treespec pass: {name} is dynamic ({value}); compile with dynamic=False (the tree metadata "
-            "is sliced to static B and T)"
-        )
-    return value
 
 
 def _register_binding_tensors(gm: torch.fx.GraphModule, binding) -> None:
@@ -237,7 +228,7 @@ def rewrite_linear_attention(gm: torch.fx.GraphModule, settings) -> torch.fx.Gra
     x_shape = example_shape(_bind(first)["hidden_states"])
     if x_shape is None or len(x_shape) != 3:
         raise ValueError(f"treespec pass: conv input of {first.name} has no static [B, C, T] shape metadata")
-    B, T = _static("batch size", x_shape[0]), _static("rows per forward", x_shape[2])
+    B, T = static_size("batch size", x_shape[0]), static_size("rows per forward", x_shape[2])
     if B > binding.max_batch or T > binding.max_rows:
         raise ValueError(
             f"treespec pass: the forward has B={B} requests x T={T} rows but the binding holds "
@@ -283,14 +274,7 @@ def _check_complete(gm: torch.fx.GraphModule, binding, done: list[str]) -> None:
         return
     if not done and not getattr(gm, "treespec_rewritten", False):
         return  # a graph of something else (no model layers at all)
-    duplicated = sorted({name for name in done if done.count(name) > 1})
-    missing = [layer.name for layer in binding.linear_layers if layer.name not in done]
-    if duplicated or missing:
-        raise ValueError(
-            f"treespec pass: the graph must rewrite each bound linear-attention layer once; missing "
-            f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, duplicated {duplicated[:4]} (compile with "
-            "fullgraph=True and a binding made for this model)"
-        )
+    check_each_layer_once("linear-attention", done, [layer.name for layer in binding.linear_layers])
 
 
 def _slice_batch(graph, name: str, B: int, rows: int | None = None):

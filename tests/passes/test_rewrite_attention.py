@@ -49,11 +49,20 @@ def random_tree(n: int, generator: torch.Generator) -> list[int]:
 
 
 def tree_metadata(parents: list[int]):
+    """(depth [N], ancestor mask [N] as two's-complement int64 words) of a parents list."""
     depth, mask = [], []
     for i, p in enumerate(parents):
         depth.append(0 if p < 0 else depth[p] + 1)
         mask.append((1 << i) | (mask[p] if p >= 0 else 0))
-    return torch.tensor(depth), torch.tensor(mask)
+    return torch.tensor(depth), torch.tensor([m - (1 << 64) if m >= 1 << 63 else m for m in mask])
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 class Captured:

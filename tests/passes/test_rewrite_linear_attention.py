@@ -11,6 +11,7 @@ conv window and recurrent state HF's own cache holds after the same tokens.
 
 import pytest
 import torch
+from test_rewrite_attention import Captured, path_to, random_tree, tree_metadata
 
 import treecompile.passes as passes_pkg
 from treecompile.passes.rewrite_linear_attention import LINEAR_SEAMS
@@ -60,39 +61,6 @@ FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5-sequential", "qwen3_5-staged", "ma
 RECURRENCE_OP = {"qwen3_next": "gdn_tree_verify_chunked", "qwen3_5": "gdn_tree_verify_chunked",
                  "qwen3_5-sequential": "gdn_tree_verify", "qwen3_5-staged": "gdn_tree_verify_staged",
                  "mamba2": "mamba2_tree_verify", "mamba2-staged": "mamba2_tree_verify_staged", "bamba": "mamba2_tree_verify"}  # fmt: skip
-
-
-def random_tree(n: int, generator: torch.Generator) -> list[int]:
-    """Parents of a random tree: node i > 0 hangs under a random earlier node."""
-    return [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
-
-
-def tree_metadata(parents: list[int]):
-    """(depth [N], ancestor mask [N] as two's-complement int64 words) of a parents list."""
-    depth, mask = [], []
-    for i, p in enumerate(parents):
-        depth.append(0 if p < 0 else depth[p] + 1)
-        mask.append((1 << i) | (mask[p] if p >= 0 else 0))
-    return torch.tensor(depth), torch.tensor([m - (1 << 64) if m >= 1 << 63 else m for m in mask])
-
-
-def path_to(parents: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
-class Captured:
-    """A pass appended to the list that keeps the rewritten graph for inspection."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, settings):
-        self.graphs.append(gm)
-        return gm
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -54,7 +54,6 @@ def _op_of(key: str) -> str | None:
     return None
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; the GPU run is the lead's")
 def test_smoke_runs_every_variant_and_prints_the_full_table(tmp_path, capsys):
     path = tmp_path / "linear.json"
     assert linear.main(["--smoke", "--json", str(path)]) == 0
