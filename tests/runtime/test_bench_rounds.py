@@ -22,7 +22,6 @@ SMOKE_ROWS = [
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; the GPU run is the lead's")
 def test_smoke_runs_every_variant_and_prints_the_full_table(tmp_path, capsys):
     path = tmp_path / "rounds.json"
     assert rounds.main(["--smoke", "--json", str(path)]) == 0
