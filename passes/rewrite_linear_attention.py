@@ -30,7 +30,9 @@ created (:func:`allow_seams_in_graph`) and each arrives here as ONE call node. F
    [:B], payload[i][:B])`` (``gdn_tree_verify_chunked`` without the workspace for forwards of 8..16 rows
    when the binding says ``gdn_chunked=True``) or, with ``replay_ssm=False``, ``gdn_tree_verify_staged(q, k, v, g, beta,
    ssm_state[i][:B], parents, scratch[i][:B])``; Mamba2 -> ``treespec::mamba2_tree_verify(x, dt, A, B, C,
-   D, dt_bias, ssm_state[i][:B], parents, payload[i][:B], ...)`` or, with ``replay_ssm=False``,
+   D, dt_bias, ssm_state[i][:B], parents, payload[i][:B], ...)`` (``mamba2_tree_verify_chunked``, same
+   arguments, for forwards of >= 4 rows when the binding says ``mamba2_chunked``, the default on CUDA) or,
+   with ``replay_ssm=False``,
    ``mamba2_tree_verify_staged(..., scratch[i][:B], ...)``; the result is cast to the dtype HF's seam
    returned (Mamba2's chunked scan returns float32).
 
@@ -59,6 +61,10 @@ from ._graph import check_each_layer_once, example_dtype, example_shape, module_
 # ones run the sequential tree kernel. Off by default: on the H200 the chunked kernel takes 71 us/layer at
 # Qwen3-Next shapes against the sequential kernel's 17 us (N=8) / 32 us (N=16) (BENCHMARKS.md, "Linear").
 CHUNKED_MIN_ROWS = 8
+# With ``mamba2_chunked`` (the default on CUDA), Mamba2 forwards of at least MAMBA2_CHUNKED_MIN_ROWS rows run the
+# chunked form. H200, Mamba2-2.7B shapes (tests/gpu/m2_sweep.py): the chunked kernel costs ~7.6 us at any N <= 16
+# (23 us at N = 64); the sequential one 3.6 us at N = 1 plus ~1.4 us a node (7.9 us at N = 4, 13.4 at N = 8).
+MAMBA2_CHUNKED_MIN_ROWS = 4
 
 logger = logging.getLogger(__name__)
 
@@ -392,7 +398,11 @@ def _rewrite_mamba2(graph, binding, layer, node, parents, B: int, T: int) -> Non
     i = layer.index
     with graph.inserting_before(node):
         state = _slice_batch(graph, f"ssm_state{i}", B)
-        if binding.replay_ssm:
+        if binding.replay_ssm and binding.mamba2_chunked and T >= MAMBA2_CHUNKED_MIN_ROWS:
+            # Every node at once with a few small matmuls (no node-by-node walk, no ancestor replays): a tree
+            # costs what a chain of equal size costs; same payload rows, same commit.
+            buf, op = _slice_batch(graph, f"payload{i}", B), torch.ops.treespec.mamba2_tree_verify_chunked.default
+        elif binding.replay_ssm:
             buf, op = _slice_batch(graph, f"payload{i}", B), torch.ops.treespec.mamba2_tree_verify.default
         else:
             buf, op = _slice_batch(graph, f"scratch{i}", B), torch.ops.treespec.mamba2_tree_verify_staged.default

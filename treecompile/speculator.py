@@ -141,6 +141,9 @@ class TreeSpeculator:
         float64 model on CPU). Anything else is refused at startup.
     gdn_chunked : GDN verify of 8..16-node trees in the chunked tree form (``gdn_tree_verify_chunked``)
         instead of the sequential tree kernel (default off: slower on the H200, BENCHMARKS.md "Linear").
+    mamba2_chunked : Mamba2 forwards of >= 4 rows in the chunked tree form (``mamba2_tree_verify_chunked``,
+        every node at once) instead of the sequential tree kernel; default: on CUDA yes, on CPU no
+        (TargetBinding).
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class TreeSpeculator:
         replay_ssm: bool = True,
         ssm_state_dtype: torch.dtype | None = None,
         gdn_chunked: bool = False,
+        mamba2_chunked: bool | None = None,
     ) -> None:
         topk = _positive_int("topk", topk)
         steps = _positive_int("steps", steps)
@@ -212,7 +216,7 @@ class TreeSpeculator:
         self.binding = TargetBinding(
             model, max_batch_size, self.max_seq_len, max_rows=max_rows, page_size=page_size,
             layers=resolved.target_layers, linear_layers=resolved.linear_layers, replay_ssm=replay_ssm,
-            state_dtype=ssm_state_dtype, gdn_chunked=gdn_chunked,
+            state_dtype=ssm_state_dtype, gdn_chunked=gdn_chunked, mamba2_chunked=mamba2_chunked,
         )  # fmt: skip
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)

@@ -115,6 +115,9 @@ class TargetBinding:
     state_dtype : recurrent state pools' dtype; default float32 (float64 for a float64 model on CPU).
     gdn_chunked : run GDN forwards of 8..16 rows with ``gdn_tree_verify_chunked`` (the chunked tree form, no
         workspace) instead of the sequential tree kernel. Off by default: slower on the H200 so far.
+    mamba2_chunked : run Mamba2 forwards of >= 4 rows with ``mamba2_tree_verify_chunked`` (every node at
+        once) instead of the sequential tree kernel (replay). Default: on CUDA yes (faster on the H200,
+        BENCHMARKS.md "Linear"); on CPU no, where the sequential op's fp32 path is HF's decode bit for bit.
 
     Attributes
     ----------
@@ -144,6 +147,7 @@ class TargetBinding:
         replay_ssm: bool = True,
         state_dtype: torch.dtype | None = None,
         gdn_chunked: bool = False,
+        mamba2_chunked: bool | None = None,
     ) -> None:
         if not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_NODES:
             raise ValueError(f"max_rows: must be an int in 1..{MAX_NODES}, got {max_rows!r}")
@@ -183,6 +187,7 @@ class TargetBinding:
         self.parents = (self._rows - 1).expand(max_batch, max_rows).clone()  # a fresh binding holds the chain
         self.replay_ssm = bool(replay_ssm)
         self.gdn_chunked = bool(gdn_chunked)
+        self.mamba2_chunked = device.type == "cuda" if mamba2_chunked is None else bool(mamba2_chunked)
         self.state_dtype = state_dtype or _default_state_dtype(dtype, device)
         self._bind_linear_state(dtype, device)
         self.calls = 0

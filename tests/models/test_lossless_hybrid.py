@@ -73,7 +73,7 @@ def test_random_drafter_matches_hf_greedy(family):
 
 
 # (family, topk, steps, num_nodes, replay_ssm): the chain (topk=1), wide and deep trees, the staged path;
-# "chunked": GDN runs the chunked tree form (8..16 nodes).
+# "chunked": GDN runs the chunked tree form (8..16 nodes), Mamba2 the chunked form (any size).
 SHAPES = [
     ("qwen3_next", 2, 4, 8, "chunked"),
     ("qwen3_5", 3, 4, 12, "chunked"),
@@ -82,7 +82,8 @@ SHAPES = [
     ("qwen3_5", 3, 2, 6, False),
     ("mamba2", 3, 4, 12, True),
     ("mamba2", 2, 3, 6, False),
-    ("bamba", 4, 5, 16, True),
+    ("mamba2", 4, 4, 16, "chunked"),
+    ("bamba", 4, 5, 16, "chunked"),
 ]
 
 
@@ -94,7 +95,8 @@ def test_oracle_drafter_accepts_deep_paths_and_stays_lossless(family, topk, step
     model = tiny_model(family, seed=3)
     drafter = OracleDrafter.build(model, noise=0.0 if topk == 1 else 0.6, seed=2)
     spec = TreeSpeculator(model, drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=2,
-                          max_seq_len=96, page_size=8, replay_ssm=bool(replay), gdn_chunked=replay == "chunked")  # fmt: skip
+                          max_seq_len=96, page_size=8, replay_ssm=bool(replay), gdn_chunked=replay == "chunked",
+                          mamba2_chunked=replay == "chunked")  # fmt: skip
     g = torch.Generator().manual_seed(11)
     accepted = []
     for _ in range(2):

@@ -205,3 +205,66 @@ def test_mamba2_tree_verify_and_commits_on_cuda(n):
     staged = state_cu.clone()
     torch.ops.treespec.ssm_commit_staged(staged, sc, path.cuda(), lens.cuda())
     torch.testing.assert_close(staged.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n", [1, 9, 33, 64], ids=lambda n: f"N{n}")
+def test_mamba2_tree_verify_chunked_on_cuda_and_in_a_graph(n, dtype):
+    """Mamba2-2.7B-like heads (P=64, S_n=128, one group; 16 of its 80 heads): the chunked kernel against the
+    float64 sequential reference, its payload replayed, then captured in a CUDA graph and replayed with a
+    new tree and new inputs written into the bound buffers. fp32 inputs check the tf32x3 products at fp32
+    accuracy (one TF32 product would miss 1e-4)."""
+    import treecompile.ops.mamba2_tree as m2
+
+    batch, h, g, p, s = 3, 16, 1, 64, 128
+    gen = torch.Generator().manual_seed(100 + n)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    def case():
+        A = -torch.exp(rnd(h) * 0.5)
+        return dict(x=rnd(batch, n, h, p), dt=rnd(batch, n, h), A=A, B=rnd(batch, n, g, s), C=rnd(batch, n, g, s),
+                    D=rnd(h), dt_bias=rnd(h) * 0.5, state=rnd(batch, h, p, s) * 0.5)  # fmt: skip
+
+    def oracle(c, parents):
+        pl = poisoned((batch, n, m2.mamba2_payload_width(h, p, g, s)), torch.float64)
+        y = torch.ops.treespec.mamba2_tree_verify(*c.values(), parents, pl)
+        return y, pl
+
+    first, parents = case(), random_parents(batch, n, n + 5)
+    bound = {k: (v.to(dtype) if k in ("x", "dt", "B", "C") else v.float()).cuda() for k, v in first.items()}
+    tol = dict(atol=3e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    rounded = {k: v.cpu().double() for k, v in bound.items()}  # what the kernel really reads
+    parents_cu = parents.cuda()
+    pl = poisoned((batch, n, m2.mamba2_payload_width(h, p, g, s)), torch.float32, "cuda")
+    y = torch.ops.treespec.mamba2_tree_verify_chunked(*bound.values(), parents_cu, pl)
+    want_y, want_pl = oracle(rounded, parents)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.cpu().double(), want_y, **tol)
+    torch.testing.assert_close(pl.cpu().double(), want_pl, atol=1e-5, rtol=1e-5)
+    path, lens = accepted_chain(parents, torch.tensor([n, 1, min(n, 3)]))
+    replayed, want_state = bound["state"].clone(), rounded["state"].clone()
+    torch.ops.treespec.mamba2_replay_commit(replayed, pl, path.cuda(), lens.cuda())
+    torch.ops.treespec.mamba2_replay_commit(want_state, want_pl, path, lens)
+    torch.testing.assert_close(replayed.cpu().double(), want_state, atol=2e-3, rtol=2e-3)
+
+    # Capture once, replay with a new tree and new inputs copied into the same buffers.
+    out = poisoned(tuple(y.shape), dtype, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(torch.ops.treespec.mamba2_tree_verify_chunked(*bound.values(), parents_cu, pl))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(torch.ops.treespec.mamba2_tree_verify_chunked(*bound.values(), parents_cu, pl))
+    second, parents2 = case(), random_parents(batch, n, n + 77).flip(0)
+    for k, v in second.items():
+        bound[k].copy_(v)
+    parents_cu.copy_(parents2)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want_y2, _ = oracle({k: v.cpu().double() for k, v in bound.items()}, parents2)
+    torch.testing.assert_close(out.cpu().double(), want_y2, **tol)

@@ -41,7 +41,7 @@ def tiny_model(family: str, seed: int = 0, conv_kernel: int = 4):
             num_experts_per_tok=1, mlp_only_layers=[0, 1, 2, 3]))  # fmt: skip
     elif family in ("qwen3_5", "qwen3_5-staged", "qwen3_5-sequential"):
         model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**gdn))
-    elif family in ("mamba2", "mamba2-staged"):
+    elif family in ("mamba2", "mamba2-staged", "mamba2-chunked"):
         model = tf.Mamba2ForCausalLM(tf.Mamba2Config(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, head_dim=8, num_heads=8,
             n_groups=2, conv_kernel=conv_kernel, chunk_size=4))  # fmt: skip
@@ -56,11 +56,14 @@ def tiny_model(family: str, seed: int = 0, conv_kernel: int = 4):
     return model.to(torch.float64).eval()
 
 
-FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5-sequential", "qwen3_5-staged", "mamba2", "mamba2-staged", "bamba")
-# T = 9 rows: GDN runs the chunked tree form (8..16 rows) unless the binding turns it off.
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5-sequential", "qwen3_5-staged", "mamba2", "mamba2-staged",
+            "mamba2-chunked", "bamba")
+# T = 9 rows: GDN runs the chunked tree form (8..16 rows) unless the binding turns it off; Mamba2 the chunked
+# form where the binding asks for it (Bamba and "mamba2-chunked"; on CPU the default is the sequential op).
 RECURRENCE_OP = {"qwen3_next": "gdn_tree_verify_chunked", "qwen3_5": "gdn_tree_verify_chunked",
                  "qwen3_5-sequential": "gdn_tree_verify", "qwen3_5-staged": "gdn_tree_verify_staged",
-                 "mamba2": "mamba2_tree_verify", "mamba2-staged": "mamba2_tree_verify_staged", "bamba": "mamba2_tree_verify"}  # fmt: skip
+                 "mamba2": "mamba2_tree_verify", "mamba2-staged": "mamba2_tree_verify_staged",
+                 "mamba2-chunked": "mamba2_tree_verify_chunked", "bamba": "mamba2_tree_verify_chunked"}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -70,7 +73,8 @@ def rewritten(request):
     model = tiny_model(family)
     binding = TargetBinding(model, max_batch=B, max_seq_len=48, max_rows=T, page_size=8,
                             replay_ssm=not family.endswith("-staged"),
-                            gdn_chunked=not family.endswith("-sequential"))  # fmt: skip
+                            gdn_chunked=not family.endswith("-sequential"),
+                            mamba2_chunked=family in ("mamba2-chunked", "bamba"))  # fmt: skip
     runner = TargetRunner(model, binding, aux_layers=(1, 2), inductor=False)
     capture = Captured()
     mp = pytest.MonkeyPatch()
@@ -358,3 +362,26 @@ def test_inductor_mutates_the_bindings_pools_in_place():
         ref = model(input_ids=ids, use_cache=False).logits[:, 4:]
     torch.testing.assert_close(logits, ref, rtol=1e-6, atol=1e-6)
     assert binding.calls == 2
+
+
+@pytest.mark.parametrize("rows,op", [(3, "mamba2_tree_verify"), (4, "mamba2_tree_verify_chunked")])
+def test_mamba2_chunked_form_starts_at_four_rows(rows, op):
+    """With mamba2_chunked, forwards of fewer than MAMBA2_CHUNKED_MIN_ROWS rows keep the sequential kernel
+    (cheaper there on the H200); from four rows on the chunked form runs."""
+    from treecompile.passes.rewrite_linear_attention import MAMBA2_CHUNKED_MIN_ROWS
+
+    assert MAMBA2_CHUNKED_MIN_ROWS == 4
+    model = tiny_model("mamba2")
+    binding = TargetBinding(model, max_batch=1, max_seq_len=32, max_rows=rows, page_size=8, mamba2_chunked=True)
+    runner = TargetRunner(model, binding, aux_layers=(1, 2), inductor=False)
+    capture = Captured()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(passes_pkg, "PASSES", passes_pkg.PASSES + [capture])
+    try:
+        binding.load(torch.zeros(1, dtype=torch.int64), chain_mask(rows)[None])
+        with torch.no_grad():
+            runner(torch.ones(1, rows, dtype=torch.int64), torch.arange(rows)[None])
+    finally:
+        mp.undo()
+    targets = _calls(capture.graphs[0])
+    assert targets.count(getattr(torch.ops.treespec, op).default) == len(binding.linear_layers)

@@ -13,7 +13,7 @@ from treecompile.bench import linear
 from treecompile.bench.__main__ import BENCHES
 from treecompile.ops.gdn_tree import gdn_branch_points
 
-OPTIONAL = {"gdn_tree_verify_chunked", "gdn_tree_verify_staged", "mamba2_tree_verify_staged"}
+OPTIONAL = {"gdn_tree_verify_chunked", "gdn_tree_verify_staged", "mamba2_tree_verify_staged", "mamba2_tree_verify_chunked"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
@@ -36,10 +36,10 @@ def _expected_keys(nodes, accepts) -> list[str]:
     for model in ("gdn", "mamba2"):
         for n in nodes:
             keys += [f"{model}/tree_{n}", f"{model}/chain_{n}", f"{model}/staged_tree_{n}"]
-            if model == "gdn" and n <= 16:
+            if n <= (16 if model == "gdn" else 64):
                 keys += [f"{model}/chunked_tree_{n}", f"{model}/chunked_chain_{n}"]
         keys += [f"{model}/chain_{a}" for a in accepts if a > 1 and a not in nodes]
-        keys += [f"{model}/decode_1", f"{model}/decode_step"]
+        keys += [f"{model}/decode_1", f"{model}/decode_step", f"{model}/decode_1_chunked"]
         keys += [f"{model}/{kind}_{a}" for a in accepts for kind in ("commit", "staged_commit")]
     return keys
 
@@ -47,8 +47,8 @@ def _expected_keys(nodes, accepts) -> list[str]:
 def _op_of(key: str) -> str | None:
     """The optional op a row needs, if any."""
     model, name = key.split("/")
-    if name.startswith("chunked_"):
-        return "gdn_tree_verify_chunked"
+    if name.startswith("chunked_") or name.endswith("_chunked"):
+        return f"{model}_tree_verify_chunked"
     if name.startswith("staged_tree_"):
         return f"{model}_tree_verify_staged"
     return None
@@ -101,7 +101,11 @@ def test_smoke_runs_every_variant_and_prints_the_full_table(tmp_path, capsys):
             assert t["limit"] == 1.2 and t["ratio"] == pytest.approx(us[f"{model}/commit_{a}"] / chain)
             t = targets[model, f"replay commit A={a} / ({a} x decode step)"]
             assert t["ratio"] == pytest.approx(us[f"{model}/commit_{a}"] / (a * us[f"{model}/decode_step"]))
-    assert len(targets) == 2 * (len(nodes) + 2 * len(accepts))
+        for n in nodes:  # the chunked op's own tree / chain (GDN N <= 16, Mamba2 N <= 64)
+            t = targets[model, f"chunked tree / chunked chain, N={n}"]
+            want = us[f"{model}/chunked_tree_{n}"] / us[f"{model}/chunked_chain_{n}"]
+            assert t["limit"] == 1.5 and t["ratio"] == pytest.approx(want)
+    assert len(targets) == 2 * (2 * len(nodes) + 2 * len(accepts))
     verdicts = [c[4] for c in _table(out, linear.RATIO_HEADER.splitlines()[0])]
     assert verdicts.count("met") + verdicts.count("NOT met") == len(targets)
 
@@ -160,7 +164,7 @@ def test_ops_this_build_lacks_read_not_built(monkeypatch):
     assert rows["gdn/tree_8"]["us"] > 0 and rows["gdn/staged_commit_1"]["us"] > 0
     report = linear.format_report(result)
     assert "| GDN | staged tree verify (`gdn_tree_verify_staged`) | N=8 | not built | " in report
-    assert "| GDN | chunked tree / chunked chain, N=8 | - | - | info |" in report
+    assert "| GDN | chunked tree / chunked chain, N=8 | - | <= 1.50 | n/a (a variant failed or is not built) |" in report
 
 
 def test_eagle_trees_are_trees_of_n_nodes_with_reported_branch_points():

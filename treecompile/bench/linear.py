@@ -17,7 +17,8 @@ program replays ancestors).
 What is timed, per model, per layer:
 
 - **tree verify** N (8, 16, 32, 64): ``gdn_tree_verify`` (branch points' states go to ONE workspace shared
-  by all layers) / ``mamba2_tree_verify`` (no workspace); ``gdn_tree_verify_chunked`` (N <= 16) and the
+  by all layers) / ``mamba2_tree_verify`` (no workspace); the chunked forms ``gdn_tree_verify_chunked``
+  (N <= 16) and ``mamba2_tree_verify_chunked`` (N <= 64), each on the tree and on a chain; and the
   staged verifies (``gdn_tree_verify_staged``, ``mamba2_tree_verify_staged``: every node's state into a
   per-layer scratch) where this build has them ("not built" otherwise);
 - **chain verify** of the same N (parents t - 1), and of N = A for the commit comparisons;
@@ -35,7 +36,7 @@ time single launches); reported: median of ``--reps`` replays / R, in microsecon
 bytes a variant must move (the state read, and written for commits; inputs, outputs, payload or scratch
 rows; not the branch-point workspace traffic) over the device-to-device copy bandwidth of the same run.
 
-Targets (issue #6): tree verify <= 1.5x chain verify at equal N; replay commit of A <= 1.2x a chain decode
+Targets (issue #6): tree verify <= 1.5x chain verify at equal N (for each op: sequential, chunked); replay commit of A <= 1.2x a chain decode
 of A (both readings reported). Memory: the GDN workspace (one layer's state per node, shared by all layers)
 against the staged path's per-layer scratch x the model's layers, and the replay payload x layers.
 
@@ -319,8 +320,10 @@ class GdnModel(_Model):
 
 class Mamba2Model(_Model):
     key = "mamba2"
-    verify_ops = {"tree": "mamba2_tree_verify", "staged": "mamba2_tree_verify_staged"}
+    verify_ops = {"tree": "mamba2_tree_verify", "chunked": "mamba2_tree_verify_chunked",
+                  "staged": "mamba2_tree_verify_staged"}  # fmt: skip
     commit_op = "mamba2_replay_commit"
+    chunked_max_nodes = 64
 
     def __init__(self, setup: Setup) -> None:
         from treecompile.ops.mamba2_tree import mamba2_payload_width
@@ -355,6 +358,8 @@ class Mamba2Model(_Model):
         args = (x["x"], x["dt"], x["A"], x["B"], x["C"], x["D"], x["dt_bias"], state, parents)
         if kind == "tree":
             return lambda: ops.mamba2_tree_verify(*args, x["payload"])
+        if kind == "chunked":
+            return lambda: ops.mamba2_tree_verify_chunked(*args, x["payload"])
         if kind == "staged":
             return lambda: ops.mamba2_tree_verify_staged(*args, buf)
         raise ValueError(kind)
@@ -482,6 +487,12 @@ class LinearBench:
             return
         self._attempt([one], lambda: self._timed(one, [model.verify("tree", x, st, parents)
                                                        for x, st in zip(inputs, states)]))  # fmt: skip
+        if "chunked" in model.verify_ops and self._missing(model.verify_ops["chunked"]) is None:
+            op = model.verify_ops["chunked"]
+            chunked = self._row(model, "decode_1_chunked", f"1-token decode, chunked op (`{op}`, N=1)", "N=1",
+                                model.verify_bytes(1, "chunked"))  # fmt: skip
+            self._attempt([chunked], lambda: self._timed(chunked, [model.verify("chunked", x, st, parents)
+                                                                   for x, st in zip(inputs, states)]))  # fmt: skip
         fns = []
         for x, st in zip(inputs, states):
             fns += [model.verify("tree", x, st, parents), model.commit(st, x["payload"], path, accept_len)]
@@ -628,7 +639,8 @@ def ratios(rows: list[Row], nodes, accepts) -> list[dict]:
         for n in nodes:
             if f"{model}/chunked_tree_{n}" in us:
                 add(model, f"chunked tree / chunked chain, N={n}", f"{model}/chunked_tree_{n}",
-                    f"{model}/chunked_chain_{n}")  # fmt: skip
+                    f"{model}/chunked_chain_{n}", TREE_LIMIT)  # fmt: skip
+                add(model, f"chunked tree / chain verify, N={n}", f"{model}/chunked_tree_{n}", f"{model}/chain_{n}")
                 add(model, f"chunked tree / tree verify, N={n}", f"{model}/chunked_tree_{n}", f"{model}/tree_{n}")
         for n in nodes:
             add(model, f"staged tree / tree verify, N={n}", f"{model}/staged_tree_{n}", f"{model}/tree_{n}")
