@@ -71,21 +71,22 @@ def choose_config(
     """Static tile/split choice (shapes and dtype size only). ``override`` replaces any field (tuning sweep)."""
     G = Hq // Hkv
     rows = R * G
-    # Compute-heavy rows (verify N=64: 256 rows per KV head) take 128-row tiles. For long caches: 128 x 64 keys
-    # on ONE warpgroup, two programs per SM, 11-15% faster than two warpgroups on 128 x 128 at 64k (H200): while
-    # one program runs its softmax (exp2 on the special-function unit) the other keeps the tensor cores busy.
-    # For short caches (< LONG_CACHE keys) the two-warpgroup 128 x 128 tile measured faster (1k: 26 vs 31 us,
-    # 4k: 34 vs 37): short prefixes give too few programs for two per SM to pair up.
+    # Compute-heavy rows (verify N=64: 256 rows per KV head) over long caches (>= LONG_CACHE keys) take 128 x 64
+    # tiles on ONE warpgroup, two programs per SM, 11-15% faster than two warpgroups on 128 x 128 at 64k (H200):
+    # while one program runs its softmax (exp2 on the special-function unit) the other keeps the tensor cores
+    # busy. Below LONG_CACHE, 64 x 64 tiles on one warpgroup beat both 128-row tiles (H200 sweep, N=64: 1k 19.0
+    # vs 26.0 us for the 128 x 128 two-warpgroup tile used before, 2k 24.3 vs 27.0, 4k 29.9 vs 34.3;
+    # notes/attention.md): twice the row blocks give a short prefix enough programs to fill the SMs two per SM.
     big = rows >= 128 and D <= 128
     pair = big and (capacity >= LONG_CACHE or itemsize > 2)  # 4-byte tiles: the smaller-tile config
-    block_m = override.pop("block_m", 128 if big else min(64, max(16, triton.next_power_of_2(rows))))
-    block_n = override.pop("block_n", 128 if big and not pair else (64 if D <= 128 else 32))
+    block_m = override.pop("block_m", 128 if pair else min(64, max(16, triton.next_power_of_2(rows))))
+    block_n = override.pop("block_n", 64 if D <= 128 else 32)
     nrb = triton.cdiv(rows, block_m)
     if device.type == "cuda":
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     else:
         sms = 4  # interpreter: few programs keep CPU tests fast
-    num_warps = override.pop("num_warps", 8 if big and not pair else 4)
+    num_warps = override.pop("num_warps", 4)
     # 4-byte inputs double every tile: fewer stages keep the 128-row configs inside shared memory.
     num_stages = override.pop("num_stages", (4 if pair else 3) if D <= 128 and itemsize <= 2 else 2)
     if num_splits is None:

@@ -457,5 +457,5 @@ def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
         assert programs + B * Hkv * nrb > slots  # and the wave is as full as whole splits allow
     if (B, N, capacity) == (1, 64, 65600):  # long cache: one-warpgroup programs, two per SM
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (128, 64, 4, 16)  # 256 of 264 slots
-    if (B, N, capacity) == (1, 64, 4160):  # short cache: two-warpgroup programs, one per SM
-        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (128, 128, 8, 8)  # 128 of 132
+    if (B, N, capacity) == (1, 64, 4160):  # short cache: 64 x 64 one-warpgroup programs, two per SM
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (64, 64, 4, 8)  # 256 of 264 slots

@@ -378,10 +378,11 @@ def kernel_resources() -> list[str]:
     return lines
 
 
-def run_sweep(prefixes, nodes, min_layers: int, l2_bytes: int) -> list[dict]:
-    """Per-layer time of stage-1 configurations (tiles, stages, split counts) at each point, each checked
-    against the default config's output. Split counts: the default rule, one and two full waves of
-    1- or 2-resident programs, and the older ``cdiv(2 * SMs, programs per split)`` rule."""
+def run_sweep(prefixes, nodes, min_layers: int, l2_bytes: int, min_chunks=(None,)) -> list[dict]:
+    """Per-layer time of stage-1 configurations (tiles, stages, split counts, minimum keys per split) at
+    each point, each checked against the default config's output. Split counts: the default rule, one and
+    two full waves of 1- or 2-resident programs, and the older ``cdiv(2 * SMs, programs per split)`` rule.
+    ``min_chunks``: the MIN_CHUNK values to try (None: the config's default)."""
     from treecompile.ops._tree_attention_kernels import choose_config
 
     gen = torch.Generator().manual_seed(1)
@@ -403,9 +404,10 @@ def run_sweep(prefixes, nodes, min_layers: int, l2_bytes: int) -> list[dict]:
                 nrb = -(-rows // block_m)
                 per_split = B * HKV * nrb
                 splits = sorted({max(1, sms // per_split), max(1, 2 * sms // per_split), -(-2 * sms // per_split)})
-                for ns in splits:
+                for ns, min_chunk in ((ns, mc) for ns in splits for mc in min_chunks):
+                    extra = {} if min_chunk is None else {"min_chunk": max(min_chunk, block_n)}
                     cfg = choose_config(B, N, HQ, HKV, D, cap, torch.device("cuda"), ns, block_m=block_m,
-                                        block_n=block_n, num_warps=warps, num_stages=stages)  # fmt: skip
+                                        block_n=block_n, num_warps=warps, num_stages=stages, **extra)  # fmt: skip
                     try:
                         out = point.cascade(cfg)[0]()
                         ok = torch.allclose(out.float(), base.float(), rtol=2e-2, atol=2e-2)
@@ -435,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=16, help="minimum layers (distinct caches) per graph")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
     parser.add_argument("--sweep", action="store_true", help="time stage-1 tile/split configurations instead")
+    parser.add_argument("--min-chunks", default="default",
+                        help="sweep only: minimum keys per prefix split to try, e.g. default,128,256")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
@@ -446,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     nodes = [int(x) for x in args.nodes.split(",")]
     if args.sweep:
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        res = run_sweep(prefixes, nodes, args.layers, l2)
+        min_chunks = tuple(None if x == "default" else int(x) for x in args.min_chunks.split(","))
+        res = run_sweep(prefixes, nodes, args.layers, l2, min_chunks)
         print("\n".join(["", "stage-1 kernels compiled:"] + kernel_resources()))
         if args.json:
             with open(args.json, "w") as f:
