@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ import triton.language as tl
 logger = logging.getLogger(__name__)
 
 LOG2E = 1.0 / math.log(2.0)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ def launch_cascade(
     o_part = torch.empty((B, R, Hq, NS + 1, D), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((B, R, Hq, NS + 1), device=q.device, dtype=torch.float32)
     out = torch.empty((B, R, Hq, D), device=q.device, dtype=q.dtype)
+    if _INTERPRET:  # CPU tests: unwritten partial rows (splits past the prefix) hold NaN, as stale memory may
+        o_part.fill_(float("nan"))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     cascade_partial_kernel[(B * Hkv * nrb, NS + 1)](
         q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
@@ -242,12 +246,16 @@ def cascade_merge_kernel(o_part, lse_part, out, NS, D: tl.constexpr, BLOCK_S: tl
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
     smask = s < NS + 1
+    # Both loads are issued at once (the partial outputs do not wait for the LSEs): one round trip to L2, not
+    # two. An empty state (a split past the prefix) never wrote its output row, so it is selected away, not
+    # multiplied by a zero weight (its memory may hold NaN).
     lse = tl.load(lse_part + row * (NS + 1) + s, mask=smask, other=float("-inf"))
+    o = tl.load(o_part + (row * (NS + 1) + s[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2(lse - mx)  # empty states weigh 0
     live = smask & (lse > float("-inf"))
-    o = tl.load(o_part + (row * (NS + 1) + s[:, None]) * D + d[None, :], mask=live[:, None], other=0.0)
+    o = tl.where(live[:, None], o, 0.0)
     denom = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out + row * D + d, res.to(out.dtype.element_ty))

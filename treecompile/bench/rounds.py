@@ -85,6 +85,7 @@ class Setup:
     copy_bytes: int = 1 << 30
     smoke: bool = False
     inductor: bool = False  # compile the rewritten target with Inductor (fused norms / rope / MLP glue)
+    profile_dir: str | None = None  # write a kernel-time table per treecompile variant here
 
     @property
     def graphs(self) -> bool:
@@ -321,9 +322,41 @@ class RoundsBench:
         return attempt(rows, what, self.clock, untimed=lambda row: row.ms is None, say=lambda row, msg: _say(
             f"{row.label}: {msg}"))
 
-    def _timed(self, row: Row, run: Callable[[], None], pre: Callable[[], None] | None = None) -> None:
+    def _timed(
+        self, row: Row, run: Callable[[], None], pre: Callable[[], None] | None = None,
+        eager: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
         row.ms = self.clock.time(run, pre)
         _say(f"{row.label}: {row.ms:.3f} ms")
+        if self.setup.profile_dir:
+            self._profile(row, run, row.key, pre)
+            if eager is not None and self.setup.graphs:  # kernels by name even where graph nodes are not traced
+                self._profile(row, eager, row.key + "_eager", pre)
+
+    def _profile(self, row: Row, run: Callable[[], None], name: str, pre=None, replays: int = 5) -> None:
+        """Kernel time per kernel name over ``replays`` runs of ``run`` (torch.profiler, CUDA activity),
+        written to ``<profile_dir>/<name>.txt``: where a round's time goes. Best effort."""
+        import os
+
+        from torch.profiler import ProfilerActivity, profile
+
+        try:
+            os.makedirs(self.setup.profile_dir, exist_ok=True)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.setup.graphs else [])
+            with profile(activities=activities) as prof:
+                for _ in range(replays):
+                    if pre is not None:
+                        pre()
+                    run()
+                self.clock._sync()
+            sort = "self_cuda_time_total" if self.setup.graphs else "self_cpu_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
+            path = os.path.join(self.setup.profile_dir, f"{name}.txt")
+            with open(path, "w") as f:
+                f.write(f"{row.label}: {row.ms:.3f} ms per run (timed); profile of {replays} runs\n\n{table}\n")
+            _say(f"{row.label}: profile written to {path}")
+        except Exception as exc:  # noqa: BLE001 - a profile is a diagnostic, never a reason to fail the run
+            _say(f"{row.label}: profile failed: {_reason(exc)}")
 
     # -- setup ----------------------------------------------------------------------------------------------
 
@@ -384,9 +417,10 @@ class RoundsBench:
         if not self._attempt(rows, setup):
             return
         spec, st = state["spec"], state["st"]
-        self._attempt([verify], lambda: self._timed(verify, self.clock.capture(lambda: spec._verify_round(st))))
+        run_verify, run_draft = (lambda: spec._verify_round(st)), (lambda: spec._draft_round(st))
+        self._attempt([verify], lambda: self._timed(verify, self.clock.capture(run_verify), eager=run_verify))
         if with_draft:
-            self._attempt([draft], lambda: self._timed(draft, self.clock.capture(lambda: spec._draft_round(st))))
+            self._attempt([draft], lambda: self._timed(draft, self.clock.capture(run_draft), eager=run_draft))
 
     def measure_decode(self) -> None:
         row = self._row("decode", "treecompile decode (1-node tree)", "target", "1")
@@ -397,7 +431,8 @@ class RoundsBench:
 
         if self._attempt([row], setup):
             spec, st = state["spec"], state["st"]
-            self._attempt([row], lambda: self._timed(row, self.clock.capture(lambda: spec._verify_round(st))))
+            run = lambda: spec._verify_round(st)  # noqa: E731
+            self._attempt([row], lambda: self._timed(row, self.clock.capture(run), eager=run))
 
     def measure_hf_static(self) -> None:
         """HF forward over a StaticCache holding the prompt. Every call writes keys ctx .. ctx+T: the cache's
@@ -604,11 +639,12 @@ def _setup_from_args(args) -> Setup:
         return Setup(
             device=device, dtype=dtype, target=dict(TARGET_SMOKE), ctx=args.ctx or 96,
             nodes=_int_list(args.nodes) if args.nodes else (64,), draft_vocab=128, hf_tokens=(1, 64),
-            reps=args.reps or 3, copy_bytes=8 << 20, smoke=True, inductor=args.inductor,
+            reps=args.reps or 3, copy_bytes=8 << 20, smoke=True, inductor=args.inductor, profile_dir=args.profile,
         )  # fmt: skip
     return Setup(
         device=torch.device("cuda"), dtype=torch.bfloat16, target=dict(TARGET_8B), ctx=args.ctx or 2048,
         nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20, inductor=args.inductor,
+        profile_dir=args.profile,
     )  # fmt: skip
 
 
@@ -629,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny random Llama on any device (CI)")
     parser.add_argument("--inductor", action="store_true",
                         help="compile the rewritten target with Inductor (minutes per graph shape on a slow host)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="also write a kernel-time table (torch.profiler) per variant into DIR")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.smoke and not torch.cuda.is_available():
