@@ -463,7 +463,7 @@ class TreeSpeculator:
             has_last = (L - 1 >= start) & (L - 1 < start + C)
             row = (L - 1 - start).clamp(0, C - 1)
             last_logits = logits.gather(1, row.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
-            first = torch.where(has_last, last_logits.float().argmax(-1), first)
+            first = torch.where(has_last, last_logits.argmax(-1), first)  # exact as on float32 (see _verify_round)
             row_feat = aux.gather(1, row.view(B, 1, 1).expand(B, 1, feat)).squeeze(1)
             last_feat = torch.where(has_last[:, None], row_feat, last_feat)
             # Draft pairs (hidden at p, token at p + 1) for p < L - 1.
@@ -559,7 +559,9 @@ class TreeSpeculator:
         positions = spec.load_step(vc)
         self.binding.load(vc, spec.ancestor_mask, parents=spec.parents)
         logits, aux = self.runner(st["tree_tokens"], positions)
-        target_tokens = logits.float().argmax(-1)  # HF's greedy argmax runs on float32 logits too
+        # HF's greedy argmax runs on float32 logits; widening bf16 / fp16 to float32 is exact, so the argmax of
+        # the logits themselves is the same index (first maximum) without a float32 copy of [B, N, vocab].
+        target_tokens = logits.argmax(-1)
         path, accept_len, bonus = torch.ops.treespec.verify_tree_greedy(spec.parents, st["tree_tokens"], target_tokens)
         kv = self.binding.kv_buffers()
         if kv:  # a pure Mamba2 target has no KV cache
