@@ -142,9 +142,13 @@ def _check_chunked(q, k, v, g, beta, state, parents, payload) -> None:
 
 
 def _launch_gdn_tree_verify_chunked(
-    q, k, v, g, beta, state, parents, payload, o, scale, use_qk_l2norm, block_v: Optional[int] = None
+    q, k, v, g, beta, state, parents, payload, o, scale, use_qk_l2norm, block_v: Optional[int] = None,
+    precision: str = "ieee",
 ) -> None:
-    """Fill ``o`` and the payload rows < N. Grid: (B, Hv, Dv blocks); ``block_v`` a power of two >= 16."""
+    """Fill ``o`` and the payload rows < N. Grid: (B, Hv, Dv blocks); ``block_v`` a power of two >= 16;
+    ``precision`` the products' ``input_precision``: "ieee" (FMA units) or "tf32x3" (three TF32 tensor-core
+    products, fp32-level accuracy; 3.7x faster for the Mamba2 chunked kernel on the H200, not yet measured
+    here, so not the default)."""
     batch, num_nodes, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[2:]
     if batch == 0 or num_v_heads == 0 or head_v_dim == 0:
@@ -162,7 +166,7 @@ def _launch_gdn_tree_verify_chunked(
         *state.stride(), *parents.stride(), *payload.stride(), *o.stride(),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
         V_OFF=v_off, G_OFF=g_off, BETA_OFF=beta_off, USE_L2NORM=bool(use_qk_l2norm),
-        BLOCK_N=CHUNKED_MAX_NODES, BLOCK_K=block_k, BLOCK_V=block_v,
+        BLOCK_N=CHUNKED_MAX_NODES, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=precision,
         num_warps=4,
     )  # fmt: skip
 
@@ -184,12 +188,12 @@ if HAS_TRITON:
         s_ob, s_on, s_oh, s_od,
         GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         V_OFF: tl.constexpr, G_OFF: tl.constexpr, BETA_OFF: tl.constexpr, USE_L2NORM: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         # One program per (request, value head, value slice) holds all <= 16 nodes as one padded tile
         # and runs the chunked form of the module docstring (the WY idea of fla's chunk_gated_delta_rule
         # and its solve_tril, with the ancestor mask in place of the causal one). Every matrix product
-        # is fp32 (or fp64 in the interpreter) with IEEE inputs: TF32 would cost ~1e-3 in the outputs.
+        # is fp32 (or fp64 in the interpreter), IEEE by default (PRECISION): TF32 would cost ~1e-3 in the outputs.
         b = tl.program_id(0).to(tl.int64)
         hv = tl.program_id(1).to(tl.int64)
         vb = tl.program_id(2)
@@ -247,7 +251,7 @@ if HAS_TRITON:
         # G_i - G_j = sum_l [l in anc(i)] g_l [l not in anc(j)] as one product (no cancellation).
         anc_f = anc.to(acc_ty)
         G = tl.sum(anc_f * g_n[None, :], 1)
-        path_g = tl.dot(anc_f * g_n[None, :], tl.trans(1.0 - anc_f), input_precision="ieee")
+        path_g = tl.dot(anc_f * g_n[None, :], tl.trans(1.0 - anc_f), input_precision=PRECISION)
         decay = tl.where(anc, tl.exp(tl.where(anc, path_g, 0.0)), 0.0)  # [i, j]
         exp_G = tl.exp(G)
 
@@ -255,10 +259,10 @@ if HAS_TRITON:
         S0 = tl.load(
             state_ptr + b * s_sb + hv * s_sh + kk[:, None] * s_sk + vv[None, :] * s_sv, mask=s_mask, other=0.0
         ).to(acc_ty)
-        KS = tl.dot(K, S0, input_precision="ieee")  # [N, BLOCK_V]
-        QS = tl.dot(Q, S0, input_precision="ieee")
-        KK = tl.dot(K, tl.trans(K), input_precision="ieee")  # [N, N]
-        QK = tl.dot(Q, tl.trans(K), input_precision="ieee")
+        KS = tl.dot(K, S0, input_precision=PRECISION)  # [N, BLOCK_V]
+        QS = tl.dot(Q, S0, input_precision=PRECISION)
+        KK = tl.dot(K, tl.trans(K), input_precision=PRECISION)  # [N, N]
+        QK = tl.dot(Q, tl.trans(K), input_precision=PRECISION)
 
         # (I + A) U = rhs; T = (I + A)^{-1} by forward substitution over the rows (A strictly lower):
         # T_i = e_i - sum_{l < i} A_il T_l. Padded rows have A = 0 and leave T = I there.
@@ -268,9 +272,9 @@ if HAS_TRITON:
             a_i = tl.sum(tl.where(rows == i, A, 0.0), 0)  # row i of A, over l
             T = tl.where(rows == i, T - tl.sum(a_i[:, None] * T, 0)[None, :], T)
         rhs = beta_n[:, None] * (V - exp_G[:, None] * KS)
-        U = tl.dot(T, rhs, input_precision="ieee")  # [N, BLOCK_V]
+        U = tl.dot(T, rhs, input_precision=PRECISION)  # [N, BLOCK_V]
 
-        O = exp_G[:, None] * QS + tl.dot(QK * decay, U, input_precision="ieee")
+        O = exp_G[:, None] * QS + tl.dot(QK * decay, U, input_precision=PRECISION)
         tl.store(
             o_ptr + b * s_ob + rows * s_on + hv * s_oh + vv[None, :] * s_od,
             O.to(o_ptr.dtype.element_ty),
