@@ -26,17 +26,17 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ._common import triton_interpret
+
 logger = logging.getLogger(__name__)
 
 LOG2E = 1.0 / math.log(2.0)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def launch_cascade(
     o_part = torch.empty((B, R, Hq, NS + 1, D), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((B, R, Hq, NS + 1), device=q.device, dtype=torch.float32)
     out = torch.empty((B, R, Hq, D), device=q.device, dtype=q.dtype)
-    if _INTERPRET:  # CPU tests: unwritten partial rows (splits past the prefix) hold NaN, as stale memory may
+    if triton_interpret():  # CPU tests: unwritten partial rows (splits past the prefix) hold NaN, as stale memory may
         o_part.fill_(float("nan"))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     cascade_partial_kernel[(B * Hkv * nrb, NS + 1)](

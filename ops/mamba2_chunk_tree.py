@@ -124,7 +124,7 @@ def _(x, dt, A, B, C, D, dt_bias, state, parents, payload, dt_softplus=True, dt_
 
 def _launch_mamba2_tree_verify_chunked(
     x, dt, A, B, C, D, dt_bias, state, parents, payload, y, dt_softplus, dt_min, dt_max,
-    block_p: Optional[int] = None, num_warps: Optional[int] = None, precision: Optional[str] = None,
+    block_p: Optional[int] = None, num_warps: int = 4, precision: str = "tf32x3",
 ) -> None:  # fmt: skip
     """Fill ``y`` and the payload rows < N. Grid: (B, H, P blocks); ``block_p`` a power of two >= 16;
     ``precision`` the fp32 products' ``input_precision`` (default "tf32x3")."""
@@ -140,8 +140,6 @@ def _launch_mamba2_tree_verify_chunked(
     # ~1e-3 relative error).
     if block_p is None:
         block_p = min(max(16, triton.next_power_of_2(head_dim)), 32)
-    if num_warps is None:
-        num_warps = 4
     dt_off, a_off, b_off = _payload_offsets(num_heads, head_dim)
     lo, hi = _limits(dt_min, dt_max)
     has_d, has_bias = D is not None, dt_bias is not None
@@ -155,7 +153,7 @@ def _launch_mamba2_tree_verify_chunked(
         DT_OFF=dt_off, A_OFF=a_off, B_OFF=b_off,
         HAS_D=has_d, HAS_DT_BIAS=has_bias, SOFTPLUS=bool(dt_softplus),
         BLOCK_N=block_n, BLOCK_P=block_p, BLOCK_S=block_s, DOUBLINGS=(block_n - 1).bit_length(),
-        PRECISION=precision or "tf32x3", num_warps=num_warps,
+        PRECISION=precision, num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -62,8 +62,8 @@ from ._graph import check_each_layer_once, example_dtype, example_shape, module_
 # Qwen3-Next shapes against the sequential kernel's 17 us (N=8) / 32 us (N=16) (BENCHMARKS.md, "Linear").
 CHUNKED_MIN_ROWS = 8
 # With ``mamba2_chunked`` (the default on CUDA), Mamba2 forwards of at least MAMBA2_CHUNKED_MIN_ROWS rows run the
-# chunked form. H200, Mamba2-2.7B shapes (tests/gpu/m2_sweep.py): the chunked kernel costs ~7.6 us at any N <= 16
-# (23 us at N = 64); the sequential one 3.6 us at N = 1 plus ~1.4 us a node (7.9 us at N = 4, 13.4 at N = 8).
+# chunked form. H200, Mamba2-2.7B shapes (tests/gpu/m2_sweep.py, bench linear): the chunked kernel costs 7.6-8.2 us
+# at N = 1, 8 and 16 (23.6 us at N = 64); the sequential one 3.6 us at N = 1, 7.6 (chain) at N = 4, 13.4 at N = 8.
 MAMBA2_CHUNKED_MIN_ROWS = 4
 
 logger = logging.getLogger(__name__)

@@ -36,8 +36,9 @@ __all__ = [
 # CPU (2-core VM, float32, 1 thread, the 4 demo prompts, tokens/s vs treecompile's own plain decode; two demo
 # runs shared the CPU): 1.05x (2,3,6), 1.05x (2,4,8), 1.23x (3,4,12), 1.20x (4,5,16), 0.99x chain (1,4,5).
 # Third session, 2 threads, tau on the demo prompts: 2.19 (3,4,12), 2.29 (4,5,16), 2.35 (4,6,24), 2.39 (8,4,24),
-# 2.46 (6,5,24), 2.46 (8,5,32); tokens/s within this VM's noise of each other (a 12- to 32-row verify costs
-# about the same there: the GEMMs are compute-bound from a few rows on). The widest cheap tree wins: (6,5,24).
+# 2.46 (6,5,24), 2.46 (8,5,32); tokens/s within this VM's noise of each other (verify rounds of 6, 12 and 16 rows
+# timed 227-249 ms there, 2x a 1-row decode: the GEMMs leave the weight-read regime at a few rows). The tree
+# with the highest tau among the cheapest wins: (6,5,24).
 CPU_TREE = (6, 5, 24)
 # H200 (bf16, 12 held-out prompts x 256 tokens, BENCHMARKS.md "End to end"): (4,6,32) is the fastest tree with
 # Inductor (610.7 tokens/s; (8,6,64) 580.6), the demo's default compile path on CUDA.
