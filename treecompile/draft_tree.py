@@ -24,12 +24,17 @@ position ``vc + s``; its lane mask has its own bit and the bits of the lanes it 
 
 Everything per round is fixed-shape torch on the inputs' device: no ``.item()``, no data-dependent shapes,
 no Python branching on tensor values, so rounds run inside CUDA graphs and ``torch.compile(fullgraph=True)``.
-Config ints are validated once, in ``__init__``; per-round methods check only metadata.
+Config ints are validated once, in ``__init__``; per-round methods check only metadata. The tensor work of
+each method is a pure function of tensors (``_begin_core``, ``_expand_core``, ``_select_core``; every
+step-dependent constant comes in as a tensor), so ``DraftTree(..., inductor=True)`` compiles each once per
+batch size: eager, a round's ranking and numbering is ~100 small kernels (sorts, gathers, masks), which on
+a CUDA-graph replay cost more than a small drafter's own forward.
 """
 
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +129,101 @@ def _bit(index: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_left_shift(torch.ones_like(index), index)
 
 
+def _begin_core(logp0: torch.Tensor, tokens0: torch.Tensor, own_bits: torch.Tensor):
+    """Step 0's record and step 1's lanes. ``own_bits [K]``: the lanes' own lane-window bits (zeros when
+    no lane step runs). Returns (scores, tokens, parents, lane tokens, lane scores, mask, candidate)."""
+    B, K = logp0.shape
+    score_dtype = torch.promote_types(logp0.dtype, torch.float32)
+    scores = logp0.to(score_dtype).clamp(max=0)  # the root's score is 0
+    tokens = tokens0.to(torch.int64)
+    order = rank_order(scores)
+    return (
+        scores, tokens, torch.full((B, K), -1, dtype=torch.int64, device=scores.device),
+        tokens.gather(1, order), scores.gather(1, order), own_bits.expand(B, K).clone(), order,
+    )  # fmt: skip
+
+
+def _expand_core(lane_scores, lane_mask, lane_candidate, child_logp, child_tokens, own_bits, first_id):
+    """One expand's record and the next lanes. ``own_bits [K]``: the next lanes' own bits (zeros after the
+    last step); ``first_id`` 0-d int64: the step's first candidate id. Returns (scores, tokens, parents,
+    lane tokens, lane scores, mask, candidate, parent lane)."""
+    B, K = lane_scores.shape
+    scores = (lane_scores.unsqueeze(2) + child_logp.to(lane_scores.dtype).clamp(max=0)).reshape(B, K * K)
+    tokens = child_tokens.reshape(B, K * K)
+    parents = lane_candidate.unsqueeze(2).expand(B, K, K).reshape(B, K * K)
+    order = rank_order(scores)[:, :K]  # [B, K] flat child index, best first
+    parent_lane = torch.div(order, K, rounding_mode="floor")
+    mask = lane_mask.gather(1, parent_lane) | own_bits
+    return (scores, tokens, parents, tokens.gather(1, order), scores.gather(1, order), mask, order + first_id,
+            parent_lane)  # fmt: skip
+
+
+def _select_core(scores: list, tokens: list, parents: list, root_tokens, cand_depth, N: int, S: int):
+    """The best N-1 of the recorded candidates, numbered depth first, best child first (select())."""
+    cand_scores, cand_tokens, cand_parent = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
+    B = cand_scores.shape[0]
+    M = N - 1  # kept candidates
+    device = root_tokens.device
+
+    kept = rank_order(cand_scores)[:, :M]  # [B, M] candidate ids; position p = global rank p
+    pos = torch.arange(M, dtype=torch.int64, device=device).expand(B, M)
+    pos_of_cand = torch.full_like(cand_tokens, M).scatter_(1, kept, pos)  # M: not kept
+    kept_parent = cand_parent.gather(1, kept)
+    # Closure under parents (module docstring) makes every non-root parent a kept position.
+    parent_pos = torch.where(kept_parent < 0, -1, pos_of_cand.gather(1, kept_parent.clamp(min=0)))
+    kept_depth = cand_depth.expand(B, -1).gather(1, kept)
+
+    # path[b, p, l-1]: rank of p's ancestor at depth l (p itself at its own depth), -1 past p's depth.
+    # Depth-first, best-child-first order is the lexicographic order of these rank paths: two nodes
+    # first differ at siblings, which the global rank orders like their scores.
+    levels = torch.arange(1, S + 1, dtype=torch.int64, device=device)
+    path = torch.full((B, M, S), -1, dtype=torch.int64, device=device)
+    cur, cur_depth = pos, kept_depth
+    for _ in range(S):
+        path = torch.where(levels == cur_depth.unsqueeze(2), cur.unsqueeze(2), path)
+        cur = torch.where(cur >= 0, parent_pos.gather(1, cur.clamp(min=0)), -1)
+        cur_depth = cur_depth - 1
+
+    perm = pos  # S stable sorts, deepest level first: LSD-radix order gives the lexicographic one
+    for level in range(S - 1, -1, -1):
+        key = path[:, :, level].gather(1, perm)
+        perm = perm.gather(1, torch.sort(key, dim=1, stable=True).indices)
+
+    node_of_pos = torch.empty_like(pos).scatter_(1, perm, pos + 1)  # kept position -> node index
+    node_path = node_of_pos.gather(1, path.clamp(min=0).reshape(B, M * S)).view(B, M, S)
+    node_bits = torch.where(path >= 0, _bit(node_path), 0)
+    kept_mask = node_bits[:, :, 0]
+    for level in range(1, S):
+        kept_mask = kept_mask | node_bits[:, :, level]
+    kept_mask = kept_mask | 1  # the root is everyone's ancestor
+
+    parent_of_node = parent_pos.gather(1, perm)  # kept position of each node's parent, -1: the root
+    parent_node = node_of_pos.gather(1, parent_of_node.clamp(min=0))
+    parent_of_node = torch.where(parent_of_node >= 0, parent_node, 0)
+    col0 = torch.zeros(B, 1, dtype=torch.int64, device=device)
+    return (
+        torch.cat([root_tokens.reshape(B, 1), cand_tokens.gather(1, kept.gather(1, perm))], 1),
+        torch.cat([col0 - 1, parent_of_node], 1),
+        torch.cat([col0, kept_depth.gather(1, perm)], 1),
+        torch.cat([col0 + 1, kept_mask.gather(1, perm)], 1),
+        torch.cat([col0 - 1, kept.gather(1, perm)], 1),
+    )  # fmt: skip
+
+
+def _compiled(fn, tag: str):
+    """``fn`` compiled by Inductor under a private code object: each DraftTree's shapes count against
+    their own recompile limit (as treecompile.target.TargetRunner does for the target)."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    private = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
+    compiled = torch.compile(private, dynamic=False, fullgraph=True)
+
+    def call(*args):
+        with torch.no_grad():  # inference only: no joint graph
+            return compiled(*args)
+
+    return call
+
+
 class DraftTree:
     """Records K + (S-1)*K*K scored candidates per request and selects the N-node verify tree.
 
@@ -143,9 +243,11 @@ class DraftTree:
         ``K + (S-1)*K*K``.
     lane_window : int
         ``(S-1)*K``, lane-window slots (bits of the lane masks).
+    inductor : bool
+        Compile the per-round tensor work with Inductor (module docstring); default False (eager).
     """
 
-    def __init__(self, topk: int, steps: int, num_nodes: int):
+    def __init__(self, topk: int, steps: int, num_nodes: int, *, inductor: bool = False):
         for name, value in (("topk", topk), ("steps", steps), ("num_nodes", num_nodes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}: expected a Python int, got {type(value).__name__}")
@@ -177,6 +279,30 @@ class DraftTree:
         self._tokens: list[torch.Tensor] = []
         self._parents: list[torch.Tensor] = []  # parent candidate id, -1 for the root
         self._next_step = 0  # 0: begin() not called yet
+        self._consts: dict[torch.device, tuple] = {}
+        self.inductor = bool(inductor)
+        if self.inductor:
+            tag = f"{id(self):x}"
+            self._begin_fn, self._expand_fn, self._select_fn = (
+                _compiled(f, tag) for f in (_begin_core, _expand_core, _select_core))  # fmt: skip
+        else:
+            self._begin_fn, self._expand_fn, self._select_fn = _begin_core, _expand_core, _select_core
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-device step tables, built once: ``own_bits [S, K]`` (row s: the bits of the lanes that run
+        step s + 1, zeros for the last row), ``first_ids [S]`` (step s's first candidate id) and
+        ``cand_depth [C]`` (candidate depth by id: step s holds depth s + 1)."""
+        consts = self._consts.get(device)
+        if consts is None:  # built on the device from aranges: no host-to-device copy (a sync) in a round
+            K, S = self.topk, self.steps
+            slots = torch.arange(S * K, dtype=torch.int64, device=device).view(S, K)
+            own_bits = torch.where(slots < (S - 1) * K, _bit(slots), 0)
+            step = torch.arange(S, dtype=torch.int64, device=device)
+            first_ids = torch.where(step == 0, 0, K + (step - 1) * K * K)
+            ids = torch.arange(self.num_candidates, dtype=torch.int64, device=device)
+            cand_depth = torch.where(ids < K, 1, (ids - K) // (K * K) + 2)
+            consts = self._consts[device] = (own_bits, first_ids, cand_depth)
+        return consts
 
     def __repr__(self) -> str:
         return f"DraftTree(topk={self.topk}, steps={self.steps}, num_nodes={self.num_nodes})"
@@ -209,24 +335,12 @@ class DraftTree:
                 f"tokens0: expected shape {tuple(logp0.shape)} like logp0, got {tuple(tokens0.shape)}"
             )
 
-        score_dtype = torch.promote_types(logp0.dtype, torch.float32)
-        scores = logp0.to(score_dtype).clamp(max=0)  # the root's score is 0
-        B = scores.shape[0]
-        self._scores = [scores]
-        self._tokens = [tokens0.to(torch.int64)]
-        self._parents = [torch.full((B, K), -1, dtype=torch.int64, device=scores.device)]
+        own_bits = self._constants(logp0.device)[0]
+        scores, tokens, parents, lane_tokens, lane_scores, mask, order = self._begin_fn(logp0, tokens0, own_bits[0])
+        self._scores, self._tokens, self._parents = [scores], [tokens], [parents]
         self._next_step = 1
-
-        order = rank_order(scores)
-        slots = torch.arange(K, dtype=torch.int64, device=scores.device)
-        return LaneState(
-            tokens=tokens0.gather(1, order),
-            scores=scores.gather(1, order),
-            mask=_bit(slots).expand(B, K).clone() if self.steps > 1 else torch.zeros_like(order),
-            candidate=order,
-            parent_lane=torch.zeros_like(order),
-            step=1,
-        )
+        return LaneState(tokens=lane_tokens, scores=lane_scores, mask=mask, candidate=order,
+                         parent_lane=torch.zeros_like(order), step=1)  # fmt: skip
 
     def expand(self, lanes: LaneState, child_logp: torch.Tensor, child_tokens: torch.Tensor) -> LaneState:
         """Record the K*K candidates of step ``lanes.step`` and return the lanes of the next step.
@@ -266,29 +380,16 @@ class DraftTree:
                 f"{tuple(child_tokens.shape)}"
             )
 
-        scores = lanes.scores.unsqueeze(2) + child_logp.to(lanes.scores.dtype).clamp(max=0)  # [B, K, K]
-        scores = scores.reshape(B, K * K)
-        tokens = child_tokens.reshape(B, K * K)
+        # Lanes that will run step s + 1 own slot s*K + r of the lane window (no bits after the last step).
+        own_bits, first_ids, _ = self._constants(child_logp.device)
+        scores, tokens, parents, lane_tokens, lane_scores, mask, candidate, parent_lane = self._expand_fn(
+            lanes.scores, lanes.mask, lanes.candidate, child_logp, child_tokens, own_bits[s], first_ids[s])
         self._scores.append(scores)
         self._tokens.append(tokens)
-        self._parents.append(lanes.candidate.unsqueeze(2).expand(B, K, K).reshape(B, K * K))
+        self._parents.append(parents)
         self._next_step = s + 1
-
-        order = rank_order(scores)[:, :K]  # [B, K] flat child index, best first
-        parent_lane = torch.div(order, K, rounding_mode="floor")
-        mask = lanes.mask.gather(1, parent_lane)
-        if s + 1 < self.steps:  # lanes that will run own slot s*K + r of the lane window
-            slots = s * K + torch.arange(K, dtype=torch.int64, device=scores.device)
-            mask = mask | _bit(slots)
-        first_id = K + (s - 1) * K * K
-        return LaneState(
-            tokens=tokens.gather(1, order),
-            scores=scores.gather(1, order),
-            mask=mask,
-            candidate=order + first_id,
-            parent_lane=parent_lane,
-            step=s + 1,
-        )
+        return LaneState(tokens=lane_tokens, scores=lane_scores, mask=mask, candidate=candidate,
+                         parent_lane=parent_lane, step=s + 1)  # fmt: skip
 
     def candidates(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The candidates recorded so far this round, in candidate-id order (addition to the brief's API).
@@ -329,56 +430,8 @@ class DraftTree:
         if root_tokens.shape[0] != B:
             raise ValueError(f"root_tokens: expected [B={B}], got {tuple(root_tokens.shape)}")
 
-        N, S, K = self.num_nodes, self.steps, self.topk
-        M = N - 1  # kept candidates
-        device = root_tokens.device
-        cand_scores, cand_tokens, cand_parent = self.candidates()  # [B, C] each, candidate-id order
-        # Candidate depth is a function of the id only: step s holds depth s+1.
-        cand_depth = torch.cat(
-            [torch.ones(K, dtype=torch.int64, device=device)]
-            + [torch.full((K * K,), s + 1, dtype=torch.int64, device=device) for s in range(1, S)]
-        )
-
-        kept = rank_order(cand_scores)[:, :M]  # [B, M] candidate ids; position p = global rank p
-        pos = torch.arange(M, dtype=torch.int64, device=device).expand(B, M)
-        pos_of_cand = torch.full_like(cand_tokens, M).scatter_(1, kept, pos)  # M: not kept
-        kept_parent = cand_parent.gather(1, kept)
-        # Closure under parents (module docstring) makes every non-root parent a kept position.
-        parent_pos = torch.where(kept_parent < 0, -1, pos_of_cand.gather(1, kept_parent.clamp(min=0)))
-        kept_depth = cand_depth.expand(B, -1).gather(1, kept)
-
-        # path[b, p, l-1]: rank of p's ancestor at depth l (p itself at its own depth), -1 past p's depth.
-        # Depth-first, best-child-first order is the lexicographic order of these rank paths: two nodes
-        # first differ at siblings, which the global rank orders like their scores.
-        levels = torch.arange(1, S + 1, dtype=torch.int64, device=device)
-        path = torch.full((B, M, S), -1, dtype=torch.int64, device=device)
-        cur, cur_depth = pos, kept_depth
-        for _ in range(S):
-            path = torch.where(levels == cur_depth.unsqueeze(2), cur.unsqueeze(2), path)
-            cur = torch.where(cur >= 0, parent_pos.gather(1, cur.clamp(min=0)), -1)
-            cur_depth = cur_depth - 1
-
-        perm = pos  # S stable sorts, deepest level first: LSD-radix order gives the lexicographic one
-        for level in range(S - 1, -1, -1):
-            key = path[:, :, level].gather(1, perm)
-            perm = perm.gather(1, torch.sort(key, dim=1, stable=True).indices)
-
-        node_of_pos = torch.empty_like(pos).scatter_(1, perm, pos + 1)  # kept position -> node index
-        node_path = node_of_pos.gather(1, path.clamp(min=0).reshape(B, M * S)).view(B, M, S)
-        node_bits = torch.where(path >= 0, _bit(node_path), 0)
-        kept_mask = node_bits[:, :, 0]
-        for level in range(1, S):
-            kept_mask = kept_mask | node_bits[:, :, level]
-        kept_mask = kept_mask | 1  # the root is everyone's ancestor
-
-        parent_of_node = parent_pos.gather(1, perm)  # kept position of each node's parent, -1: the root
-        parent_node = node_of_pos.gather(1, parent_of_node.clamp(min=0))
-        parent_of_node = torch.where(parent_of_node >= 0, parent_node, 0)
-        col0 = torch.zeros(B, 1, dtype=torch.int64, device=device)
-        return TreeBatch(
-            tokens=torch.cat([root_tokens.reshape(B, 1), cand_tokens.gather(1, kept.gather(1, perm))], 1),
-            parents=torch.cat([col0 - 1, parent_of_node], 1),
-            depth=torch.cat([col0, kept_depth.gather(1, perm)], 1),
-            ancestor_mask=torch.cat([col0 + 1, kept_mask.gather(1, perm)], 1),
-            candidate=torch.cat([col0 - 1, kept.gather(1, perm)], 1),
-        )
+        cand_depth = self._constants(root_tokens.device)[2]
+        tokens, parents, depth, ancestor_mask, candidate = self._select_fn(
+            self._scores, self._tokens, self._parents, root_tokens, cand_depth, self.num_nodes, self.steps)
+        return TreeBatch(tokens=tokens, parents=parents, depth=depth, ancestor_mask=ancestor_mask,
+                         candidate=candidate)  # fmt: skip

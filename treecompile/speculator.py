@@ -60,6 +60,8 @@ _SUPPORTED_DTYPES = {
     "cuda": (torch.bfloat16, torch.float16, torch.float32),
 }
 _UNSET = object()
+# EOS ids a request may name: they live in a bound buffer that the captured commit reads (-1 pads it).
+MAX_EOS_IDS = 64
 
 
 def _draft_hook(drafter, name: str, *args):
@@ -105,6 +107,12 @@ class GenerateOutput:
 
     sequences: torch.Tensor
     accept_lengths: torch.Tensor
+
+
+def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """bool like ``tokens``: the token is one of ``eos`` (int64 [E], -1 padded). A broadcast compare:
+    ``torch.isin`` may pick a sort-based path, this never syncs or allocates by size."""
+    return (tokens[..., None] == eos).any(-1)
 
 
 def _positive_int(name: str, value) -> int:
@@ -220,6 +228,8 @@ class TreeSpeculator:
         )  # fmt: skip
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)
+        if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too
+            self.tree = DraftTree(topk, steps, num_nodes, inductor=True)
         self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
@@ -319,7 +329,10 @@ class TreeSpeculator:
         bad = [t for t in eos_token_id if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"eos_token_id: ids {bad} are outside the vocabulary [0, {self.vocab_size})")
-        return list(eos_token_id)
+        eos = list(dict.fromkeys(eos_token_id))  # order kept: the first id is the default pad, as in HF
+        if len(eos) > MAX_EOS_IDS:
+            raise ValueError(f"eos_token_id: at most {MAX_EOS_IDS} distinct ids, got {len(eos)}")
+        return eos
 
     def _pad_id(self, pad_token_id, eos: list[int]) -> int:
         if pad_token_id is None:
@@ -401,17 +414,12 @@ class TreeSpeculator:
             history[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
         bound["history"].copy_(history)
         self.binding.reset_linear_state()
+        bound["prompt_len"].copy_(torch.tensor(lengths, dtype=torch.int64))
+        bound["running"].fill_(True)
+        bound["max_new"].fill_(max_new_tokens)
+        bound["eos"].copy_(torch.tensor(eos + [-1] * (MAX_EOS_IDS - len(eos)), dtype=torch.int64))
         st = dict(bound)
-        st.update(
-            B=B,
-            prompt_len=torch.tensor(lengths, dtype=torch.int64, device=dev),
-            n_gen=torch.zeros(B, dtype=torch.int64, device=dev),
-            running=torch.ones(B, dtype=torch.bool, device=dev),
-            emitted=torch.zeros(B, dtype=torch.int64, device=dev),
-            out=torch.zeros(B, max_new_tokens + N + 1, dtype=torch.int64, device=dev),
-            max_new=max_new_tokens,
-            eos=torch.tensor(eos if eos else [-1], dtype=torch.int64, device=dev),
-        )
+        st.update(B=B)
         self._state = st
         return st
 
@@ -436,6 +444,14 @@ class TreeSpeculator:
             "accept_len": torch.ones(B, dtype=torch.int64, device=dev),
             "bonus": torch.zeros(B, dtype=torch.int64, device=dev),
             "aux": torch.zeros(B, N, feat, dtype=self.dtype, device=dev),
+            # Per-request progress, bound too: the captured verify round commits into them.
+            "prompt_len": torch.zeros(B, dtype=torch.int64, device=dev),
+            "n_gen": torch.zeros(B, dtype=torch.int64, device=dev),
+            "running": torch.zeros(B, dtype=torch.bool, device=dev),
+            "emitted": torch.zeros(B, dtype=torch.int64, device=dev),
+            "out": torch.zeros(B, self.max_seq_len + N + 1, dtype=torch.int64, device=dev),
+            "max_new": torch.zeros((), dtype=torch.int64, device=dev),
+            "eos": torch.full((MAX_EOS_IDS,), -1, dtype=torch.int64, device=dev),  # -1: no id (tokens are >= 0)
             "rows_p": torch.arange(P, device=dev),
             "rows_n": torch.arange(N, device=dev),
             "rows_k": torch.arange(K, device=dev),
@@ -483,20 +499,20 @@ class TreeSpeculator:
         st["pend_n"].fill_(1)
         st["out"][:, 0].copy_(first)
         st["n_gen"].fill_(1)
-        done = torch.isin(first, st["eos"]) | (st["n_gen"] >= st["max_new"])
+        done = _is_eos(first, st["eos"]) | (st["n_gen"] >= st["max_new"])
         st["running"].copy_(~done)
 
     def _round(self, st) -> None:
         B = st["B"]
         graphs = self._graphs.get(B) if self.cuda_graphs else None
-        if graphs is not None:
+        if graphs is not None:  # the verify graph commits too: a round is two launches
             graphs[0].replay()
             graphs[1].replay()
-        else:
-            self._draft_round(st)
-            self._verify_round(st)
-            if self.cuda_graphs:
-                self._capture(st)
+            return
+        self._draft_round(st)
+        self._verify_round(st)
+        if self.cuda_graphs:
+            self._capture(st)  # captures the commit without running it
         self._commit(st)
 
     def _draft_round(self, st) -> None:
@@ -581,7 +597,7 @@ class TreeSpeculator:
         # Token after accepted node i: the next path node's token, the bonus after the last one.
         emit = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)
         emit = torch.where(rows[None, :] == (alen - 1)[:, None], bonus[:, None], emit)
-        is_eos = torch.isin(emit, st["eos"]) & (rows[None, :] < alen[:, None])
+        is_eos = _is_eos(emit, st["eos"]) & (rows[None, :] < alen[:, None])
         first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1), self.num_nodes)
         count = torch.minimum(torch.minimum(alen, first_eos + 1), st["max_new"] - n_gen)
         count = torch.where(running, count, 0)
@@ -625,5 +641,9 @@ class TreeSpeculator:
             self._draft_round(st)
         with torch.cuda.graph(verify_graph, pool=pool):
             self._verify_round(st)
+            # The commit is ~30 small kernels: eager, their launches cost more host time than a small
+            # target's whole verify (0.5-0.7 ms a round at SmolLM2 shapes on the H200); captured, the GPU
+            # runs them back to back.
+            self._commit(st)
         self._graphs[B] = (draft_graph, verify_graph)
-        logger.info("captured the draft and verify rounds for batch %d", B)
+        logger.info("captured the draft and verify (+ commit) rounds for batch %d", B)

@@ -171,6 +171,27 @@ def test_score_candidates_maps_draft_ids_through_d2t(target):
     torch.testing.assert_close(logp[0, 0], torch.log_softmax(logits[0], -1)[3])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_score_candidates_on_cuda_take_the_fused_top_k(target, dtype):
+    """On CUDA scoring runs treespec::draft_topk: the top-4 of log_softmax (ties to the lower id) and the
+    log-probs to float32 rounding, for step 0 [B, Vd] and lanes [B, K, Vd]."""
+    head = EagleDrafter.for_target(target).cuda()  # the kernel's multi-slice cases: tests/ops/test_draft_topk.py
+    vd = head.d2t.shape[0]
+    head.d2t.copy_(torch.arange(vd, device="cuda") % 7)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in ((3, vd), (3, 4, vd)):
+        logits = torch.randn(shape, generator=g, device="cuda").to(dtype)
+        logp, tokens = head.score_candidates(logits, 4)
+        # bf16 has ties: the op orders them by lower index, i.e. a stable descending sort
+        want = torch.sort(-logits.double(), dim=-1, stable=True).indices[..., :4]
+        assert tokens.shape == (*shape[:-1], 4) and logp.dtype == torch.float32
+        assert torch.equal(tokens, want + head.d2t[want])
+        torch.testing.assert_close(logp.double(), torch.log_softmax(logits.double(), -1).gather(-1, want),
+                                   rtol=0, atol=1e-5)  # fmt: skip
+
+
 def test_default_aux_layers_follow_eagle3_and_clamp_for_tiny_targets():
     assert default_aux_layers(32) == (2, 16, 29)
     assert default_aux_layers(2) == (1, 1, 1)

@@ -430,6 +430,27 @@ def test_round_compiles_fullgraph():
         assert torch.equal(g, w)
 
 
+def test_inductor_round_equals_eager():
+    """``DraftTree(inductor=True)`` compiles begin / expand / select (one graph each, every step's constants
+    passed as tensors) and selects exactly the eager tree, lanes included, NaNs and ties too."""
+    import torch._dynamo.utils as dynamo_utils
+
+    K, S, N, B = 3, 4, 20, 3
+    inputs = make_inputs(K, S, B, "ties", torch.float32, seed=11)  # equal scores, -inf, NaN, clamped > 0
+    frames = dynamo_utils.counters["stats"]["unique_graphs"]
+    compiled_tree = DraftTree(K, S, N, inductor=True)
+    for _ in range(2):  # the second round reuses the graphs: expand's step changes only tensor inputs
+        got_lanes, got = run_round(compiled_tree, *inputs)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - frames == 3
+    want_lanes, want = run_round(DraftTree(K, S, N), *inputs)
+    for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for g, w in zip(got_lanes, want_lanes):
+        for name in ("tokens", "mask", "candidate", "parent_lane"):
+            assert torch.equal(getattr(g, name), getattr(w, name)), name
+        torch.testing.assert_close(g.scores, w.scores, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [(4, 6, 63), (8, 9, 64)], ids=_cid)
 def test_cuda_matches_cpu_without_syncs(config):

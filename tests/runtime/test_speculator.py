@@ -72,6 +72,15 @@ def test_bad_eos_token_id_is_refused(spec, eos):
         spec.generate(torch.ones(1, 3, dtype=torch.int64), eos_token_id=eos)
 
 
+def test_too_many_eos_ids_are_refused_and_repeats_are_not_counted(spec):
+    from treecompile.speculator import MAX_EOS_IDS
+
+    ids = torch.ones(1, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=f"eos_token_id: at most {MAX_EOS_IDS} distinct ids, got {MAX_EOS_IDS + 1}"):
+        spec.generate(ids, eos_token_id=list(range(MAX_EOS_IDS + 1)))
+    assert spec._eos_ids([5, 3, 5] * MAX_EOS_IDS) == [5, 3]  # order kept: the first is the default pad
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [({"max_new_tokens": 0}, "max_new_tokens"), ({"input_ids": torch.ones(3, 2, dtype=torch.int64)}, "max_batch_size 2"),

@@ -31,8 +31,9 @@ def ragged(batch=3, width=11, seed=0):
 
 
 def test_verify_round_capture_replays_identically():
-    """Capture the draft and verify rounds after the eager warm-up round; replaying the verify graph over
-    the same committed state reproduces the eager round's outputs bit for bit (rounds are idempotent)."""
+    """Capture the draft and verify (+ commit) rounds after the eager warm-up round: replaying both graphs
+    from the same committed state reproduces the eager round (draft, verify, commit) bit for bit, every
+    time (a round is a function of the committed state)."""
     model = tiny_llama()
     spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=4, steps=4, num_nodes=16,
                           max_batch_size=3, max_seq_len=128, cuda_graphs=True)  # fmt: skip
@@ -40,17 +41,23 @@ def test_verify_round_capture_replays_identically():
     _, lengths, prompts = spec._prompts(ids, mask)
     st = spec._new_state(len(lengths), lengths, prompts, [], 16)
     spec._prefill(st, max(lengths))
+    tensors = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+    before = {k: v.clone() for k, v in tensors.items()}
     spec._draft_round(st)
     spec._verify_round(st)
-    eager = {k: st[k].clone() for k in ("tree_tokens", "path", "accept_len", "bonus", "aux")}
+    spec._commit(st)
+    eager = {k: v.clone() for k, v in tensors.items()}
+    assert not torch.equal(eager["vc"], before["vc"])  # the round committed something
     spec._capture(st)
     draft_graph, verify_graph = spec._graphs[st["B"]]
     for _ in range(2):
+        for k, v in tensors.items():
+            v.copy_(before[k])
         draft_graph.replay()
         verify_graph.replay()
         torch.cuda.synchronize()
         for name, value in eager.items():
-            assert torch.equal(st[name], value), name
+            assert torch.equal(tensors[name], value), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -73,6 +80,29 @@ def test_graphs_equal_eager_rounds_and_report_agreement(dtype):
     print(f"{dtype}: token agreement with HF greedy {vs_hf:.3f}, with treecompile's plain decode {vs_plain:.3f}")
     if dtype == torch.float32:
         assert vs_hf >= 0.9 and vs_plain >= 0.9
+
+
+def test_captured_commit_follows_each_request():
+    """The commit is captured with the verify round: later requests on the same graphs, with another
+    max_new_tokens, other EOS ids and other prompts, still equal eager rounds (their limits are read from
+    bound buffers, not baked into the capture)."""
+    model = tiny_llama()
+    drafter = EagleDrafter.for_target(model, seed=1)
+    kwargs = dict(topk=4, steps=5, num_nodes=32, max_batch_size=3, max_seq_len=256)
+    graphs = TreeSpeculator(model, drafter, cuda_graphs=True, **kwargs)
+    eager = TreeSpeculator(model, drafter, cuda_graphs=False, **kwargs)
+    ids, mask = ragged()
+    first = eager.generate(ids, mask, max_new_tokens=40, eos_token_id=[])
+    new = first.sequences[:, ids.shape[1]:]
+    # EOS ids the first request emits mid-way, so the later requests stop at different rounds.
+    stops = [int(new[0, 9]), int(new[2, 17])]
+    requests = [(ids, mask, 40, []), (ids, mask, 23, stops), ragged(seed=1) + (31, [int(new[1, 5])]), (ids, mask, 40, [])]
+    for r_ids, r_mask, n, eos in requests:
+        got = graphs.generate(r_ids, r_mask, max_new_tokens=n, eos_token_id=eos)
+        ref = eager.generate(r_ids, r_mask, max_new_tokens=n, eos_token_id=eos)
+        assert torch.equal(got.sequences, ref.sequences), (n, eos)
+        assert torch.equal(got.accept_lengths, ref.accept_lengths), (n, eos)
+    assert list(graphs._graphs) == [3]  # captured once, for B = 3; every request above replayed it
 
 
 def test_a_round_makes_no_host_sync():

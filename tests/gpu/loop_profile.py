@@ -1,0 +1,113 @@
+"""Where a generate round's wall time goes at SmolLM2-135M shapes (GPU; random weights, so timing only).
+
+For each config (plain decode = a one-node tree, a tree) it times, after the warm-up that captures the graphs:
+the whole ``generate`` per round (wall), the draft and verify graphs alone (CUDA events over back-to-back
+replays), the eager ``_commit`` (GPU time and host launch time) and the host time to launch one replay. The
+difference between a round's wall time and the GPU time of its parts is time the GPU waits for the host.
+
+    python3 tests/gpu/loop_profile.py out.json
+"""
+
+import json
+import sys
+import time
+import traceback
+
+import torch
+
+from treecompile.bench.rounds import build_target
+from treecompile.drafter import EagleDrafter
+from treecompile.speculator import TreeSpeculator
+
+SMOLLM2 = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def gpu_ms(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def host_ms(fn, reps: int) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t) * 1e3 / reps
+    torch.cuda.synchronize()
+    return host
+
+
+def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profile_dir: str | None = None) -> dict:
+    k, s, n = shape
+    spec = TreeSpeculator(model, drafter, topk=k, steps=s, num_nodes=n, max_batch_size=1, max_seq_len=1024, prefill_chunk=64,
+                          inductor=inductor)  # fmt: skip
+    ids = torch.randint(1, 49152, (1, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    spec.generate(ids, max_new_tokens=32, eos_token_id=[])  # warm-up: compile + capture
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = spec.generate(ids, max_new_tokens=new_tokens, eos_token_id=[])
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) * 1e3
+    rounds = res.accept_lengths.shape[0]
+    # Graph parts on a live state (a fresh request, a few rounds in).
+    spec.generate(ids, max_new_tokens=8, eos_token_id=[])
+    st = spec._new_state(1, [40], [ids[0].tolist()], [], 10_000)
+    spec._prefill(st, 40)
+    for _ in range(3):
+        spec._round(st)
+    draft, verify = spec._graphs[1]
+    out = dict(shape=list(shape), inductor=inductor, wall_ms=wall, rounds=rounds, tokens=int(res.sequences.shape[1] - 40),
+               ms_per_round=wall / rounds,
+               draft_gpu_ms=gpu_ms(draft.replay, 50), verify_gpu_ms=gpu_ms(verify.replay, 50),
+               commit_gpu_ms=gpu_ms(lambda: spec._commit(st), 50), commit_host_ms=host_ms(lambda: spec._commit(st), 50),
+               replay_host_ms=host_ms(verify.replay, 50),
+               any_host_ms=host_ms(lambda: bool(st["running"].any()), 50))  # fmt: skip
+    if profile_dir:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        for name, graph in (("draft", draft), ("verify", verify)):
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    graph.replay()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+            tag = f"{name}_{k}_{s}_{n}_{'inductor' if inductor else 'eager'}"
+            with open(f"{profile_dir}/{tag}.txt", "w") as f:
+                f.write(f"{tag}: 5 replays\n{table}\n")
+    out["idle_ms_per_round"] = out["ms_per_round"] - out["draft_gpu_ms"] * (n > 1) - out["verify_gpu_ms"] - out["commit_gpu_ms"]
+    return out
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "loop_profile.json"
+    profile_dir = sys.argv[2] if len(sys.argv) > 2 else None  # kernel tables of the Inductor configs
+    model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
+    drafter = EagleDrafter.for_target(model, seed=0).to("cuda", torch.bfloat16).eval()
+    results = []
+    for inductor in (False, True):
+        for shape in ((1, 1, 1), (4, 6, 32)):
+            try:
+                with torch.no_grad():
+                    r = profile(model, drafter, shape, inductor, profile_dir=profile_dir if inductor else None)
+            except Exception as exc:  # noqa: BLE001 - report and go on to the next config
+                traceback.print_exc()
+                r = dict(shape=list(shape), inductor=inductor, error=repr(exc))
+            print(json.dumps(r), flush=True)
+            results.append(r)
+            with open(path, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
