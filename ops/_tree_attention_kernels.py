@@ -127,12 +127,8 @@ def launch_cascade(
     nrb = triton.cdiv(R * G, cfg.block_m)
     NS = cfg.num_splits
     q = q.contiguous()
-    # Workspaces: [B, R, Hq, NS + 1, D] normalised partial outputs and [B, R, Hq, NS + 1] base-2 LSEs (fp32).
-    # Partials are stored in q's dtype when it is 16-bit: a normalised partial is a convex combination of V
-    # rows, so rounding it to bf16/fp16 costs what rounding the output does, while at N = 64 over a 2k prefix
-    # the fp32 partials were more bytes (written, then read by the merge) than the K/V the splits read.
-    part_dtype = q.dtype if q.element_size() == 2 else torch.float32
-    o_part = torch.empty((B, R, Hq, NS + 1, D), device=q.device, dtype=part_dtype)
+    # Workspaces: [B, R, Hq, NS + 1, D] normalised partial outputs and [B, R, Hq, NS + 1] base-2 LSEs.
+    o_part = torch.empty((B, R, Hq, NS + 1, D), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((B, R, Hq, NS + 1), device=q.device, dtype=torch.float32)
     out = torch.empty((B, R, Hq, D), device=q.device, dtype=q.dtype)
     if triton_interpret():  # CPU tests: unwritten partial rows (splits past the prefix) hold NaN, as stale memory may
@@ -241,7 +237,7 @@ def cascade_partial_kernel(
     # Empty states write no output row: the merge reads a partial only where its LSE is finite.
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_ptrs = o_part + (row[:, None] * (NS + 1) + split) * D + d[None, :]
-    tl.store(o_ptrs, o.to(o_part.dtype.element_ty), mask=(row_ok & ~empty)[:, None])
+    tl.store(o_ptrs, o, mask=(row_ok & ~empty)[:, None])
 
 
 @triton.jit
@@ -255,7 +251,6 @@ def cascade_merge_kernel(o_part, lse_part, out, NS, D: tl.constexpr, BLOCK_S: tl
     # multiplied by a zero weight (its memory may hold NaN).
     lse = tl.load(lse_part + row * (NS + 1) + s, mask=smask, other=float("-inf"))
     o = tl.load(o_part + (row * (NS + 1) + s[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
-    o = o.to(tl.float32)
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     w = tl.exp2(lse - mx)  # empty states weigh 0
