@@ -3,14 +3,20 @@
 ``PASSES`` is the explicit order: rewrite each HF attention layer's SDPA call into treespec ops, rewrite
 each linear-attention layer's (GDN, Mamba2) conv and recurrence seams into the tree ops (this pass proves
 its own rewrite complete), prove no attention was left behind, then delete the dead HF mask code and
-recompile.
+recompile. With a binding that fused its projection weights, q/k/v and gate/up become one linear each.
 """
 
 from .check_attention_rewritten import check_attention_rewritten
 from .clean_up_graph import clean_up_graph
+from .fuse_projections import fuse_projections
 from .rewrite_attention import rewrite_attention
 from .rewrite_linear_attention import rewrite_linear_attention
 
-PASSES: list = [rewrite_attention, rewrite_linear_attention, check_attention_rewritten, clean_up_graph]
+PASSES: list = [
+    rewrite_attention, rewrite_linear_attention, check_attention_rewritten, fuse_projections, clean_up_graph,
+]
 
-__all__ = ["PASSES", "rewrite_attention", "rewrite_linear_attention", "check_attention_rewritten", "clean_up_graph"]
+__all__ = [
+    "PASSES", "rewrite_attention", "rewrite_linear_attention", "check_attention_rewritten", "fuse_projections",
+    "clean_up_graph",
+]

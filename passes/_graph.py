@@ -100,3 +100,17 @@ def check_each_layer_once(kind: str, done: list[str], bound: list[str]) -> None:
             f"{' ...' if len(missing) > 4 else ''}, duplicated {duplicated[:4]} (compile with fullgraph=True "
             "and a binding made for this model)"
         )
+
+
+def register_constant(gm: torch.fx.GraphModule, name: str, tensor: torch.Tensor) -> None:
+    """Register ``tensor`` (no copy) as a buffer ``name`` of ``gm`` that ``get_attr`` nodes can read."""
+    if hasattr(gm, name):
+        delattr(gm, name)
+    gm.register_buffer(name, tensor, persistent=False)
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is not None:
+        # AOT autograd lifts a Dynamo graph's buffers as static inputs and wants a source for each (guard
+        # dedup); these are treecompile's, reached by no user-code path: a named constant source.
+        from torch._dynamo.source import ConstantSource
+
+        sources[name] = ConstantSource(name)

@@ -33,7 +33,8 @@ import torch.fx
 from treecompile.registry import ATTENTION_CLASSES, is_attention_like
 
 from ._graph import (
-    example_dtype, example_shape, is_other_attention, is_repeat_step, is_sdpa, module_stack, static_size,
+    example_dtype, example_shape, is_other_attention, is_repeat_step, is_sdpa, module_stack, register_constant,
+    static_size,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,18 +118,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModul
         )
 
     # Register the binding's tensors on the GraphModule (the same storage, no copies).
-    tensors = binding.graph_tensors()
-    sources = getattr(gm, "_param_name_to_source", None)
-    for name, tensor in tensors.items():
-        if hasattr(gm, _PREFIX + name):
-            delattr(gm, _PREFIX + name)
-        gm.register_buffer(_PREFIX + name, tensor, persistent=False)
-        if sources is not None:
-            # AOT autograd lifts a Dynamo graph's buffers as static inputs and wants a source for each
-            # (guard dedup); ours are the binding's, reached by no user-code path: a named constant source.
-            from torch._dynamo.source import ConstantSource
-
-            sources[_PREFIX + name] = ConstantSource(_PREFIX + name)
+    for name, tensor in binding.graph_tensors().items():
+        register_constant(gm, _PREFIX + name, tensor)
 
     first = sites[0][0]
     q_shape = example_shape(_sdpa_inputs(first)["query"])

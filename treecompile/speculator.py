@@ -149,6 +149,9 @@ class TreeSpeculator:
         float64 model on CPU). Anything else is refused at startup.
     gdn_chunked : GDN verify of 8..16-node trees in the chunked tree form (``gdn_tree_verify_chunked``)
         instead of the sequential tree kernel (default off: slower on the H200, BENCHMARKS.md "Linear").
+    fuse_projections : run each decoder layer's q/k/v and gate/up projections as one linear each; their
+        weights are laid out once as one tensor that the model's own parameters then view (same values, no
+        extra memory; ``model.to(...)`` afterwards is refused at the next ``generate``). Default off.
     mamba2_chunked : Mamba2 forwards of >= 4 rows in the chunked tree form (``mamba2_tree_verify_chunked``,
         every node at once) instead of the sequential tree kernel; default: on CUDA yes, on CPU no
         (TargetBinding).
@@ -173,6 +176,7 @@ class TreeSpeculator:
         ssm_state_dtype: torch.dtype | None = None,
         gdn_chunked: bool = False,
         mamba2_chunked: bool | None = None,
+        fuse_projections: bool = False,
     ) -> None:
         topk = _positive_int("topk", topk)
         steps = _positive_int("steps", steps)
@@ -225,6 +229,7 @@ class TreeSpeculator:
             model, max_batch_size, self.max_seq_len, max_rows=max_rows, page_size=page_size,
             layers=resolved.target_layers, linear_layers=resolved.linear_layers, replay_ssm=replay_ssm,
             state_dtype=ssm_state_dtype, gdn_chunked=gdn_chunked, mamba2_chunked=mamba2_chunked,
+            fuse_projections=fuse_projections,
         )  # fmt: skip
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)
@@ -363,6 +368,7 @@ class TreeSpeculator:
         ``pad_token_id`` defaults to the generation config's, else the first EOS id, else 0.
         """
         max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+        self.binding.check_projections()
         input_ids, lengths, prompts = self._prompts(input_ids, attention_mask)
         eos = self._eos_ids(eos_token_id)
         pad = self._pad_id(pad_token_id, eos)
@@ -511,9 +517,9 @@ class TreeSpeculator:
             return
         self._draft_round(st)
         self._verify_round(st)
-        if self.cuda_graphs:
-            self._capture(st)  # captures the commit without running it
         self._commit(st)
+        if self.cuda_graphs:  # after an eager commit: every kernel the capture records has run once
+            self._capture(st)
 
     def _draft_round(self, st) -> None:
         """Step 0 and the lanes; leaves the selected tree in the TreeSpec and ``tree_tokens``. A one-node tree
@@ -625,7 +631,9 @@ class TreeSpeculator:
     # ---------------------------------------------------------------------------------------------------
 
     def _capture(self, st) -> None:
-        """Capture the draft and verify rounds for this batch size (after the eager warm-up round)."""
+        """Capture the draft and verify (+ commit) rounds for this batch size, after the eager warm-up round
+        committed. The side-stream warm-up recomputes the next round's draft and verify from the committed
+        state (idempotent: the first replay recomputes the same); the capture itself runs nothing."""
         B = st["B"]
         if B in self._graphs:
             return

@@ -118,6 +118,9 @@ class TargetBinding:
     mamba2_chunked : run Mamba2 forwards of >= 4 rows with ``mamba2_tree_verify_chunked`` (every node at
         once) instead of the sequential tree kernel (replay). Default: on CUDA yes (faster on the H200,
         BENCHMARKS.md "Linear"); on CPU no, where the sequential op's fp32 path is HF's decode bit for bit.
+    fuse_projections : lay each decoder layer's q/k/v and gate/up weights out as one tensor (the members'
+        parameters become views of it: same values, no extra memory; :mod:`treecompile.projections`) and
+        let the pass run each group as one linear. Default off (not yet measured on the GPU).
 
     Attributes
     ----------
@@ -131,6 +134,8 @@ class TargetBinding:
     gdn_workspace : {state_shape: [max_batch, max_rows, Hv, Dk, Dv]}, shared by the GDN layers (replay
         only; empty with ``replay_ssm=False``).
     calls : number of forwards the rewritten graphs ran with this binding.
+    projection_groups : list of :class:`treecompile.projections.ProjectionGroup` (empty unless
+        ``fuse_projections``).
     """
 
     def __init__(
@@ -148,6 +153,7 @@ class TargetBinding:
         state_dtype: torch.dtype | None = None,
         gdn_chunked: bool = False,
         mamba2_chunked: bool | None = None,
+        fuse_projections: bool = False,
     ) -> None:
         if not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_NODES:
             raise ValueError(f"max_rows: must be an int in 1..{MAX_NODES}, got {max_rows!r}")
@@ -190,7 +196,17 @@ class TargetBinding:
         self.mamba2_chunked = device.type == "cuda" if mamba2_chunked is None else bool(mamba2_chunked)
         self.state_dtype = state_dtype or _default_state_dtype(dtype, device)
         self._bind_linear_state(dtype, device)
+        self.projection_groups = []
+        if fuse_projections:
+            from treecompile.projections import fuse_projection_weights
+
+            self.projection_groups = fuse_projection_weights(model)
         self.calls = 0
+
+    def check_projections(self) -> None:
+        """Raise if a fused group's parameters stopped being views of its storage (host-side, no sync)."""
+        for group in self.projection_groups:
+            group.check()
 
     def _bind_linear_state(self, dtype: torch.dtype, device: torch.device) -> None:
         """Allocate the linear-attention pools (module docstring) and expose the layers' HF seams to Dynamo."""

@@ -185,6 +185,7 @@ class Setup:
     smoke: bool = False
     head: str | None = None
     inductor: bool = False
+    fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows only)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
 
@@ -307,7 +308,7 @@ class E2EBench:
             **desc, "device": torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else str(s.device),
             "dtype": str(self.dtype).removeprefix("torch."), "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda_graphs": s.device.type == "cuda",
-            "inductor": s.inductor, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
+            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
             "max_new_tokens": s.max_new_tokens, "prompts_requested": s.prompts,
             "prompt_tokens": [len(p) for p in self.prompts], "configs": [c.name for c in s.configs],
         }  # fmt: skip
@@ -329,7 +330,8 @@ class E2EBench:
             spec = TreeSpeculator(self.model, self.drafter, topk=k, steps=s, num_nodes=n,
                                   max_batch_size=max(self.setup.batch_sizes), max_seq_len=self.max_seq_len,
                                   page_size=PAGE_SIZE, prefill_chunk=PREFILL_CHUNK,
-                                  inductor=self.setup.inductor)  # fmt: skip
+                                  inductor=self.setup.inductor,
+                                  fuse_projections=self.setup.fuse_projections)  # fmt: skip
             if self._shared is None:
                 self._shared = (spec.binding, spec.runner)
             else:
@@ -575,7 +577,7 @@ def _setup_from_args(args) -> Setup:
         raise ValueError("--max-new-tokens and --prompts: expected positive ints")
     return Setup(batch_sizes=batch_sizes, max_new_tokens=max_new, prompts=prompts,
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
-                 inductor=args.inductor, device=device)  # fmt: skip
+                 inductor=args.inductor, device=device, fuse_projections=args.fuse_projections)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -595,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile treecompile's target with Inductor (minutes per batch size and tree size on "
                              "a slow host; off by default: CUDA graphs already remove launch overhead)")
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="treecompile rows run q/k/v and gate/up as one linear each")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every configuration)")
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--smoke", action="store_true", help="a tiny random Llama on the CPU (CI)")

@@ -86,6 +86,7 @@ class Setup:
     smoke: bool = False
     inductor: bool = False  # compile the rewritten target with Inductor (fused norms / rope / MLP glue)
     profile_dir: str | None = None  # write a kernel-time table per treecompile variant here
+    fuse_projections: bool = False  # q/k/v and gate/up as one linear each (TreeSpeculator option)
 
     @property
     def graphs(self) -> bool:
@@ -383,6 +384,7 @@ class RoundsBench:
         spec = TreeSpeculator(
             self.model, self.drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=1,
             max_seq_len=self.max_seq_len, prefill_chunk=PREFILL_CHUNK, inductor=s.inductor, cuda_graphs=False,
+            fuse_projections=s.fuse_projections,
         )  # fmt: skip
         if self._shared is None:
             self._shared = (spec.binding, spec.runner)
@@ -640,11 +642,12 @@ def _setup_from_args(args) -> Setup:
             device=device, dtype=dtype, target=dict(TARGET_SMOKE), ctx=args.ctx or 96,
             nodes=_int_list(args.nodes) if args.nodes else (64,), draft_vocab=128, hf_tokens=(1, 64),
             reps=args.reps or 3, copy_bytes=8 << 20, smoke=True, inductor=args.inductor, profile_dir=args.profile,
+            fuse_projections=args.fuse_projections,
         )  # fmt: skip
     return Setup(
         device=torch.device("cuda"), dtype=torch.bfloat16, target=dict(TARGET_8B), ctx=args.ctx or 2048,
         nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20, inductor=args.inductor,
-        profile_dir=args.profile,
+        profile_dir=args.profile, fuse_projections=args.fuse_projections,
     )  # fmt: skip
 
 
@@ -667,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile the rewritten target with Inductor (minutes per graph shape on a slow host)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="also write a kernel-time table (torch.profiler) per variant into DIR")
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="run q/k/v and gate/up as one linear each (TreeSpeculator(fuse_projections=True))")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.smoke and not torch.cuda.is_available():

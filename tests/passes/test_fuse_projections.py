@@ -1,0 +1,130 @@
+"""Fused sibling projections: the weight layout (treecompile.projections) and the pass (fuse_projections).
+
+The layout keeps the model's values and names and adds no memory (members become views of one tensor); the
+rewritten graph runs one linear per q/k/v and gate/up group; its tree logits equal the per-path reference,
+and speculative generate with fused projections equals HF greedy (float64, every supported family).
+"""
+
+import pytest
+import torch
+
+import treecompile.passes as passes_pkg
+from treecompile.drafter import EagleDrafter
+from treecompile.projections import fuse_projection_weights
+from treecompile.speculator import TreeSpeculator
+from treecompile.target import TargetBinding, TargetRunner, chain_mask
+
+from test_rewrite_attention import FAMILIES, Captured, path_to, random_tree, tiny_model, tree_metadata
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_layout_keeps_values_names_and_views_one_tensor():
+    model = tiny_model("qwen2")  # q/k/v carry biases
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    groups = fuse_projection_weights(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name
+    layers = model.config.num_hidden_layers
+    assert [g.module for g in groups] == [f"model.layers.{i}.{m}" for i in range(layers) for m in ("self_attn", "mlp")]
+    attn, mlp = groups[0], groups[1]
+    q, k, v = (getattr(model.model.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    assert attn.sizes == (q.out_features, k.out_features, v.out_features)
+    assert q.weight.data_ptr() == attn.weight.data_ptr()
+    assert v.weight.data_ptr() == attn.weight[q.out_features + k.out_features :].data_ptr()
+    assert k.bias.data_ptr() == attn.bias[q.out_features :].data_ptr()
+    assert mlp.bias is None and mlp.members == ("gate_proj", "up_proj")
+    # Loading a state dict copies into the views: still fused, new values visible through the fused tensor.
+    model.load_state_dict({k: v + 1 for k, v in before.items()})
+    assert all(g.intact() for g in groups)
+    torch.testing.assert_close(attn.weight[: q.out_features], before["model.layers.0.self_attn.q_proj.weight"] + 1)
+    # Fusing again reuses the intact storage.
+    again = fuse_projection_weights(model)
+    assert [g.weight.data_ptr() for g in again] == [g.weight.data_ptr() for g in groups]
+
+
+def test_unfusable_groups_are_left_alone():
+    model = tiny_model("llama", layers=1)
+    model.model.layers[0].self_attn.k_proj.to(torch.float32)  # dtype differs from q and v
+    groups = fuse_projection_weights(model)
+    assert [g.module for g in groups] == ["model.layers.0.mlp"]
+
+
+def test_replaced_storage_is_refused_at_generate():
+    model = tiny_model("llama", layers=2)
+    model.generation_config.eos_token_id = None
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=2, steps=2, num_nodes=3,
+                          max_batch_size=1, max_seq_len=32, page_size=8, fuse_projections=True)  # fmt: skip
+    up = model.model.layers[1].mlp.up_proj
+    up.weight.data = up.weight.data.clone()  # what model.to(...) / .half() do to every parameter
+    with pytest.raises(ValueError, match=r"model: the weights of model.layers.1.mlp \(gate_proj, up_proj\) no longer"):
+        spec.generate(torch.ones(1, 3, dtype=torch.int64), max_new_tokens=2)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fused(request):
+    """(family, model, binding, runner, rewritten GraphModule), fused projections, B=2 x T=9 rows."""
+    family = request.param
+    model = tiny_model(family)
+    binding = TargetBinding(model, max_batch=2, max_seq_len=48, max_rows=9, page_size=8, fuse_projections=True)
+    runner = TargetRunner(model, binding, aux_layers=(1, 2), inductor=False)
+    capture = Captured()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(passes_pkg, "PASSES", passes_pkg.PASSES + [capture])
+    try:
+        binding.load(torch.zeros(2, dtype=torch.int64), chain_mask(9).expand(2, 9))
+        with torch.no_grad():
+            runner(torch.randint(0, 96, (2, 9)), torch.arange(9).expand(2, 9).contiguous())
+    finally:
+        mp.undo()
+    assert len(capture.graphs) == 1
+    return family, model, binding, runner, capture.graphs[0]
+
+
+def test_graph_runs_one_linear_per_group_over_the_fused_storage(fused):
+    family, model, binding, runner, gm = fused
+    layers = model.config.num_hidden_layers
+    linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear]
+    # per layer: qkv, o, gate_up, down; plus the LM head
+    assert len(linears) == 4 * layers + 1
+    for j, group in enumerate(binding.projection_groups):
+        assert getattr(gm, f"_treespec_fused_w{j}").data_ptr() == group.weight.data_ptr()
+
+
+def test_fused_tree_logits_equal_per_path_reference(fused):
+    family, model, binding, runner, gm = fused
+    g = torch.Generator().manual_seed(3)
+    B, T, P = 2, 9, 5
+    prompt = torch.randint(0, 96, (B, P), generator=g)
+    binding.load(torch.zeros(B, dtype=torch.int64), torch.where(torch.arange(9) < P, chain_mask(9), 0).expand(B, 9))
+    with torch.no_grad():
+        runner(torch.cat([prompt, torch.zeros(B, T - P, dtype=torch.int64)], 1),
+               torch.arange(T).expand(B, T).contiguous())  # fmt: skip
+    trees = [random_tree(T, g) for _ in range(B)]
+    meta = [tree_metadata(t) for t in trees]
+    tokens = torch.randint(0, 96, (B, T), generator=g)
+    binding.load(torch.full((B,), P, dtype=torch.int64), torch.stack([m[1] for m in meta]))
+    positions = torch.stack([P + m[0] for m in meta])
+    with torch.no_grad():
+        logits, _ = runner(tokens, positions)
+    for b in range(B):
+        for i in range(T):
+            seq = torch.cat([prompt[b], tokens[b, path_to(trees[b], i)]])[None]
+            with torch.no_grad():
+                ref = model(input_ids=seq, use_cache=False).logits[0, -1]
+            torch.testing.assert_close(logits[b, i], ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_fused_projections_equals_hf_greedy(family):
+    model = tiny_model(family, seed=2, vocab_size=24)  # a small vocabulary: drafts get accepted
+    model.generation_config.eos_token_id = None
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=3, steps=3, num_nodes=8,
+                          max_batch_size=2, max_seq_len=64, page_size=8, fuse_projections=True)  # fmt: skip
+    ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(4))
+    got = spec.generate(ids, max_new_tokens=12)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(got.sequences, want)

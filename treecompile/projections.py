@@ -1,0 +1,137 @@
+"""Sibling projections as one weight: q/k/v and gate/up of each decoder layer share storage.
+
+A decoder layer runs its q, k and v projections (and its MLP's gate and up projections) as separate GEMMs
+on the same input. For a small model each of those is a launch-bound kernel of a few microseconds (SmolLM2
+on the H200: seven GEMMs a layer, ~3.5 us each, about half of a decode step), and a large model reads the
+same bytes either way, so one GEMM per group is never worse. :func:`fuse_projection_weights` copies each
+group's weights (and biases) into one contiguous tensor ``[sum of out_features, in_features]`` and makes
+every member's parameter a view of its rows: the model's values, names and ``state_dict`` are unchanged and
+no memory is added (the old per-member storage is released). The pass
+:mod:`treecompile.passes.fuse_projections` then replaces the group's linear calls on one input by a single
+linear over the fused tensor and a split.
+
+The views hold only while nobody replaces the parameters' storage: ``model.to(...)``, ``model.half()`` or
+assigning ``param.data`` after fusing breaks them, and :meth:`ProjectionGroup.check` says so (the runtime
+calls it once per ``generate``; a captured graph would otherwise read the old storage).
+Loading a state dict copies into the views and keeps them valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GROUPS", "ProjectionGroup", "fuse_projection_weights"]
+
+# (member attribute names) of one module whose linears read the same input in HF decoder layers.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclasses.dataclass
+class ProjectionGroup:
+    """One fused group: ``module`` is the owner's qualified name (``model.layers.0.self_attn``), ``members``
+    its linear attribute names in order, ``sizes`` their out_features; ``weight [sum(sizes), in]`` and
+    ``bias [sum(sizes)]`` (or None) the fused storage the members' parameters are views of."""
+
+    module: str
+    members: tuple[str, ...]
+    sizes: tuple[int, ...]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    linears: tuple[nn.Linear, ...] = dataclasses.field(repr=False, default=())
+
+    def member_names(self) -> tuple[str, ...]:
+        return tuple(f"{self.module}.{m}" if self.module else m for m in self.members)
+
+    def intact(self) -> bool:
+        """Whether every member's weight (and bias) is still the view of the fused storage (host only)."""
+        row = 0
+        for lin, size in zip(self.linears, self.sizes):
+            if not _is_view(lin.weight, self.weight, row, size):
+                return False
+            if self.bias is not None and not _is_view(lin.bias, self.bias, row, size):
+                return False
+            row += size
+        return True
+
+    def check(self) -> None:
+        if not self.intact():
+            raise ValueError(
+                f"model: the weights of {self.module} ({', '.join(self.members)}) no longer share the storage "
+                "treecompile fused them into (model.to(...), .half() or a param.data assignment after the "
+                "speculator was built?); build a new TreeSpeculator for the changed model"
+            )
+
+
+def _is_view(param: torch.Tensor | None, fused: torch.Tensor, row: int, size: int) -> bool:
+    if param is None:
+        return False
+    want = fused[row : row + size]
+    return (
+        param.device == fused.device
+        and param.dtype == fused.dtype
+        and param.shape == want.shape
+        and param.stride() == want.stride()
+        and param.data_ptr() == want.data_ptr()
+    )
+
+
+def _fusable(linears: list) -> bool:
+    if not all(type(lin) is nn.Linear for lin in linears):  # subclasses (quantised linears) keep their own code
+        return False
+    first = linears[0].weight
+    if first.device.type == "meta":
+        return False
+    same = all(
+        lin.in_features == linears[0].in_features and lin.weight.dtype == first.dtype
+        and lin.weight.device == first.device and lin.weight.is_contiguous()
+        for lin in linears
+    )  # fmt: skip
+    has_bias = {lin.bias is not None for lin in linears}
+    return same and len(has_bias) == 1
+
+
+@torch.no_grad()
+def fuse_projection_weights(model: nn.Module) -> list[ProjectionGroup]:
+    """Fuse every q/k/v and gate/up group of ``model`` in place (module docstring); returns the groups.
+
+    A group is fused only when all its members are plain ``nn.Linear`` with one in_features, dtype and
+    device and all or none of them have a bias; anything else stays as it is (the pass then leaves those
+    linears alone). Fusing again is a no-op that returns the existing groups.
+    """
+    groups: list[ProjectionGroup] = []
+    for name, module in model.named_modules():
+        for members in GROUPS:
+            linears = [getattr(module, m, None) for m in members]
+            if any(lin is None for lin in linears) or not _fusable(linears):
+                continue
+            sizes = tuple(lin.out_features for lin in linears)
+            w0 = linears[0].weight
+            weight = torch.empty(sum(sizes), linears[0].in_features, dtype=w0.dtype, device=w0.device)
+            bias = None
+            if linears[0].bias is not None:
+                bias = torch.empty(sum(sizes), dtype=linears[0].bias.dtype, device=w0.device)
+            group = ProjectionGroup(name, members, sizes, weight, bias, tuple(linears))
+            base = getattr(w0, "_treecompile_fused", None)
+            if base is not None:  # fused before: reuse it if it is still intact
+                old = ProjectionGroup(name, members, sizes, base[0], base[1], tuple(linears))
+                if old.intact():
+                    groups.append(old)
+                    continue
+            row = 0
+            for lin, size in zip(linears, sizes):
+                weight[row : row + size].copy_(lin.weight)
+                lin.weight.data = weight[row : row + size]
+                if bias is not None:
+                    bias[row : row + size].copy_(lin.bias)
+                    lin.bias.data = bias[row : row + size]
+                lin.weight._treecompile_fused = (weight, bias)
+                row += size
+            groups.append(group)
+    logger.info("fused %d projection group(s) into one weight each", len(groups))
+    return groups
