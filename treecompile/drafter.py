@@ -89,12 +89,18 @@ class EagleAttention(nn.Module):
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.qkv_weight: torch.Tensor | None = None  # set by EagleDrafter.fuse_projections (not a parameter)
 
     def forward(self, x, cos, sin, cache, slots, prefix_len, ancestor_mask, window):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is not None:  # one GEMM over the q/k/v rows the three parameters view
+            sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
+            q, k, v = nn.functional.linear(x, self.qkv_weight).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -103,18 +109,39 @@ class EagleAttention(nn.Module):
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
+class EagleMLP(nn.Module):
+    """The midlayer's gated MLP (HF LlamaMLP's parameters and names), with a fused gate/up path."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.gate_up_weight: torch.Tensor | None = None  # set by EagleDrafter.fuse_projections
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = nn.functional.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
 class EagleDecoderLayer(nn.Module):
     """EAGLE-3's midlayer: attention over [embedding ; hidden], residual on the hidden input, then MLP."""
 
     def __init__(self, config) -> None:
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = EagleAttention(config)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = EagleMLP(config)
 
     def forward(self, embeds, hidden, cos, sin, cache, slots, prefix_len, ancestor_mask, window):
         residual = hidden
@@ -291,6 +318,24 @@ class EagleDrafter(nn.Module):
     @property
     def embed(self) -> nn.Embedding:
         return self.embed_tokens if "embed_tokens" in self._modules else self._target_embed
+
+    def fuse_projections(self) -> None:
+        """Lay the midlayer's q/k/v and gate/up weights out as one tensor each (the parameters become views
+        of it: same values and state dict, no extra memory; :mod:`treecompile.projections`) and run each
+        group as one GEMM. Idempotent; ``model.to(...)`` afterwards drops back to the separate GEMMs."""
+        from treecompile.projections import fuse_projection_weights
+
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        groups = {g.module: g for g in fuse_projection_weights(self.midlayer)}
+        qkv, gate_up = groups.get("self_attn"), groups.get("mlp")
+        attn.qkv_weight = qkv.weight if qkv is not None and qkv.bias is None else None
+        mlp.gate_up_weight = gate_up.weight if gate_up is not None and gate_up.bias is None else None
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .half() give every parameter new storage: the fused views would be stale, so drop them.
+        self.midlayer.self_attn.qkv_weight = None
+        self.midlayer.mlp.gate_up_weight = None
+        return super()._apply(fn, *args, **kwargs)
 
     def new_cache(self, max_batch: int, max_seq_len: int, page_size: int = 64, device=None) -> PagedKVCache:
         """A draft cache for this head (one layer)."""

@@ -149,9 +149,10 @@ class TreeSpeculator:
         float64 model on CPU). Anything else is refused at startup.
     gdn_chunked : GDN verify of 8..16-node trees in the chunked tree form (``gdn_tree_verify_chunked``)
         instead of the sequential tree kernel (default off: slower on the H200, BENCHMARKS.md "Linear").
-    fuse_projections : run each decoder layer's q/k/v and gate/up projections as one linear each; their
-        weights are laid out once as one tensor that the model's own parameters then view (same values, no
-        extra memory; ``model.to(...)`` afterwards is refused at the next ``generate``). Default off.
+    fuse_projections : run each decoder layer's q/k/v and gate/up projections as one linear each, the
+        target's and the drafter's (``EagleDrafter.fuse_projections``); their weights are laid out once as
+        one tensor that the model's own parameters then view (same values, no extra memory;
+        ``model.to(...)`` afterwards is refused at the next ``generate``). Default off (unmeasured on GPU).
     mamba2_chunked : Mamba2 forwards of >= 4 rows in the chunked tree form (``mamba2_tree_verify_chunked``,
         every node at once) instead of the sequential tree kernel; default: on CUDA yes, on CPU no
         (TargetBinding).
@@ -231,6 +232,8 @@ class TreeSpeculator:
             state_dtype=ssm_state_dtype, gdn_chunked=gdn_chunked, mamba2_chunked=mamba2_chunked,
             fuse_projections=fuse_projections,
         )  # fmt: skip
+        if fuse_projections and hasattr(drafter, "fuse_projections"):
+            drafter.fuse_projections()
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too

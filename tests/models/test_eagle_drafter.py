@@ -192,6 +192,41 @@ def test_score_candidates_on_cuda_take_the_fused_top_k(target, dtype):
                                    rtol=0, atol=1e-5)  # fmt: skip
 
 
+def test_fused_projections_give_the_same_draft_steps(target):
+    """EagleDrafter.fuse_projections: q/k/v and gate/up as one GEMM each over storage the parameters view;
+    step 0 and a lane step give the unfused outputs (float64), the state dict is unchanged, and .to()
+    drops the fused path (new storage) instead of reading stale weights."""
+    head = EagleDrafter.for_target(target, seed=3).to(torch.float64)
+    B, T, H = 2, 3, target.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(B, T, len(head.aux_layers) * H, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, head.d2t.shape[0], (B, T), generator=g)
+    positions = torch.arange(T).expand(B, T)
+    zero = torch.zeros(B, dtype=torch.int64)
+
+    def steps():
+        cache = head.new_cache(B, 16, page_size=8)
+        slots = cache.slots(positions)
+        hidden, logits = head.draft_step0(cache, feats, tokens, positions, slots, zero, chain_mask(T).expand(B, T),
+                                          torch.full((B,), T - 1), None)  # fmt: skip
+        lane, lane_logits = head.draft_lanes(cache, hidden[:, None].expand(B, 2, H).contiguous(), tokens[:, :2],
+                                             (positions[:, :2] + T), cache.slots(positions[:, :2] + T), zero + T,
+                                             torch.tensor([1, 2]).expand(B, 2), 2, None)  # fmt: skip
+        return hidden, logits, lane, lane_logits
+
+    before_state = {k: v.clone() for k, v in head.state_dict().items()}
+    want = steps()
+    head.fuse_projections()
+    attn = head.midlayer.self_attn
+    assert attn.qkv_weight is not None and head.midlayer.mlp.gate_up_weight is not None
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert all(torch.equal(head.state_dict()[k], v) for k, v in before_state.items())
+    for got, ref in zip(steps(), want):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    head.to(torch.float32)
+    assert attn.qkv_weight is None and head.midlayer.mlp.gate_up_weight is None
+
+
 def test_default_aux_layers_follow_eagle3_and_clamp_for_tiny_targets():
     assert default_aux_layers(32) == (2, 16, 29)
     assert default_aux_layers(2) == (1, 1, 1)
