@@ -112,17 +112,17 @@ def fuse_projection_weights(model: nn.Module) -> list[ProjectionGroup]:
                 continue
             sizes = tuple(lin.out_features for lin in linears)
             w0 = linears[0].weight
-            weight = torch.empty(sum(sizes), linears[0].in_features, dtype=w0.dtype, device=w0.device)
-            bias = None
-            if linears[0].bias is not None:
-                bias = torch.empty(sum(sizes), dtype=linears[0].bias.dtype, device=w0.device)
-            group = ProjectionGroup(name, members, sizes, weight, bias, tuple(linears))
             base = getattr(w0, "_treecompile_fused", None)
             if base is not None:  # fused before: reuse it if it is still intact
                 old = ProjectionGroup(name, members, sizes, base[0], base[1], tuple(linears))
                 if old.intact():
                     groups.append(old)
                     continue
+            weight = torch.empty(sum(sizes), linears[0].in_features, dtype=w0.dtype, device=w0.device)
+            bias = None
+            if linears[0].bias is not None:
+                bias = torch.empty(sum(sizes), dtype=linears[0].bias.dtype, device=w0.device)
+            group = ProjectionGroup(name, members, sizes, weight, bias, tuple(linears))
             row = 0
             for lin, size in zip(linears, sizes):
                 weight[row : row + size].copy_(lin.weight)

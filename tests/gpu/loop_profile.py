@@ -5,7 +5,7 @@ the whole ``generate`` per round (wall), the draft and verify graphs alone (CUDA
 replays), the eager ``_commit`` (GPU time and host launch time) and the host time to launch one replay. The
 difference between a round's wall time and the GPU time of its parts is time the GPU waits for the host.
 
-    python3 tests/gpu/loop_profile.py out.json
+    python3 tests/gpu/loop_profile.py out.json [PROFILE_DIR|-] [fuse]
 """
 
 import json
@@ -48,10 +48,11 @@ def host_ms(fn, reps: int) -> float:
     return host
 
 
-def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profile_dir: str | None = None) -> dict:
+def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profile_dir: str | None = None,
+            fuse: bool = False) -> dict:
     k, s, n = shape
     spec = TreeSpeculator(model, drafter, topk=k, steps=s, num_nodes=n, max_batch_size=1, max_seq_len=1024, prefill_chunk=64,
-                          inductor=inductor)  # fmt: skip
+                          inductor=inductor, fuse_projections=fuse)  # fmt: skip
     ids = torch.randint(1, 49152, (1, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     spec.generate(ids, max_new_tokens=32, eos_token_id=[])  # warm-up: compile + capture
     torch.cuda.synchronize()
@@ -67,7 +68,7 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
     for _ in range(3):
         spec._round(st)
     draft, verify = spec._graphs[1]
-    out = dict(shape=list(shape), inductor=inductor, wall_ms=wall, rounds=rounds, tokens=int(res.sequences.shape[1] - 40),
+    out = dict(shape=list(shape), inductor=inductor, fuse_projections=fuse, wall_ms=wall, rounds=rounds, tokens=int(res.sequences.shape[1] - 40),
                ms_per_round=wall / rounds,
                draft_gpu_ms=gpu_ms(draft.replay, 50), verify_gpu_ms=gpu_ms(verify.replay, 50),
                commit_gpu_ms=gpu_ms(lambda: spec._commit(st), 50), commit_host_ms=host_ms(lambda: spec._commit(st), 50),
@@ -82,7 +83,7 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
                     graph.replay()
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-            tag = f"{name}_{k}_{s}_{n}_{'inductor' if inductor else 'eager'}"
+            tag = f"{name}_{k}_{s}_{n}_{'inductor' if inductor else 'eager'}{'_fused' if fuse else ''}"
             with open(f"{profile_dir}/{tag}.txt", "w") as f:
                 f.write(f"{tag}: 5 replays\n{table}\n")
     out["idle_ms_per_round"] = out["ms_per_round"] - out["draft_gpu_ms"] * (n > 1) - out["verify_gpu_ms"] - out["commit_gpu_ms"]
@@ -91,18 +92,21 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
 
 def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "loop_profile.json"
-    profile_dir = sys.argv[2] if len(sys.argv) > 2 else None  # kernel tables of the Inductor configs
+    profile_dir = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None  # Inductor kernel tables
+    # "fuse": Inductor only, unfused then fused projections (fusing changes the model's weight layout for
+    # good, so the unfused runs go first).
+    variants = [(True, False), (True, True)] if "fuse" in sys.argv[3:] else [(False, False), (True, False)]
     model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
     drafter = EagleDrafter.for_target(model, seed=0).to("cuda", torch.bfloat16).eval()
     results = []
-    for inductor in (False, True):
+    for inductor, fuse in variants:
         for shape in ((1, 1, 1), (4, 6, 32)):
             try:
                 with torch.no_grad():
-                    r = profile(model, drafter, shape, inductor, profile_dir=profile_dir if inductor else None)
+                    r = profile(model, drafter, shape, inductor, profile_dir=profile_dir if inductor else None, fuse=fuse)
             except Exception as exc:  # noqa: BLE001 - report and go on to the next config
                 traceback.print_exc()
-                r = dict(shape=list(shape), inductor=inductor, error=repr(exc))
+                r = dict(shape=list(shape), inductor=inductor, fuse_projections=fuse, error=repr(exc))
             print(json.dumps(r), flush=True)
             results.append(r)
             with open(path, "w") as f:
