@@ -407,7 +407,6 @@ class TreeSpeculator:
     def _new_state(self, B, lengths, prompts, eos, max_new_tokens) -> dict:
         """The state of one generate call. Round buffers are bound once per batch size (captured graphs
         read them) and reset in place here; everything else is fresh: nothing of an earlier request leaks."""
-        dev, N = self.device, self.num_nodes
         bound = self._buffers.get(B)
         if bound is None:
             bound = self._buffers[B] = self._bind_buffers(B)

@@ -8,7 +8,6 @@ NumPy scalars of the tree's score dtype so float32 rounding matches the implemen
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
