@@ -12,3 +12,4 @@ from . import gdn_chunk_tree  # noqa: F401  (gdn_tree_verify_chunked: trees of <
 from . import mamba2_tree  # noqa: F401  (mamba2_tree_verify[_staged], mamba2_replay_commit, ssm_commit_staged)
 from . import mamba2_chunk_tree  # noqa: F401  (mamba2_tree_verify_chunked: every node at once)
 from . import draft_topk  # noqa: F401  (draft_topk: top-k of a draft's log-probs in two kernels)
+from . import page_slots  # noqa: F401  (page_slots: key positions -> cache slots in one kernel)

@@ -24,6 +24,8 @@ import logging
 
 import torch
 
+import treecompile.ops  # noqa: F401  (registers torch.ops.treespec.page_slots)
+
 logger = logging.getLogger(__name__)
 
 _STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -114,11 +116,8 @@ class PagedKVCache(torch.nn.Module):
             if rows.shape != (B,):
                 raise ValueError(f"rows: expected [{B}], got {tuple(rows.shape)}")
             table = self.page_table[rows]
-        ok = (positions >= 0) & (positions < self.capacity)
-        safe = torch.where(ok, positions, torch.zeros_like(positions))
-        page = torch.gather(table, 1, safe // self.page_size).long()
-        slot = page * self.page_size + safe % self.page_size
-        return torch.where(ok, slot, torch.full_like(slot, self.dummy_slot))
+        # One kernel on CUDA (torch.ops.treespec.page_slots); the torch reference on CPU.
+        return torch.ops.treespec.page_slots(table, positions, self.page_size, self.dummy_slot)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store ``k, v [B, T, Hkv, D]`` (or ``[T, Hkv, D]``) at ``slots [B, T]`` (``[T]``) of ``layer``."""

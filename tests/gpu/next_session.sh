@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/prof"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || exit 3
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_speculator_gpu.py \
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_speculator_gpu.py tests/ops/test_page_slots.py \
   tests/models/test_lossless_hybrid.py tests/models/test_eagle_drafter.py -m gpu 2>&1 | tail -4
 timeout 150 python3 tests/gpu/loop_profile.py "$OUT/loop_fuse.json" "$OUT/prof" fuse 2>&1 | grep '^{' | tail -4
 for f in "" --fuse-projections; do
