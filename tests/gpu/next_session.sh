@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # First call of the next GPU session (~8 min on a fresh H200): the GPU tests of this session's code that
 # never ran there (fused projections, captured commit on hybrids), then fused vs unfused projections at
-# SmolLM2 shapes (loop profile) and on the 8B rounds, then decode-row split sizes for the cascade.
+# SmolLM2 shapes (loop profile) and on the 8B rounds. Second call: tests/gpu/next_sweep.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -14,5 +14,3 @@ for f in "" --fuse-projections; do
   timeout 110 python3 -m treecompile.bench rounds --inductor --nodes 64 --reps 10 $f --json "$OUT/rounds$f.json" 2>&1 \
     | grep "^| treecompile\|^c =" | tee -a "$OUT/rounds.log"
 done
-timeout 60 python3 -m treecompile.bench attention --sweep --nodes 1,16 --prefixes 2048,4096 \
-  --min-chunks default,64,128 --json "$OUT/sweep_small_rows.json" 2>&1 | grep -v "DEBUG\|INFO" | tail -20
