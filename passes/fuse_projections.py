@@ -62,6 +62,7 @@ def fuse_projections(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule
             if name is not None:
                 by_name.setdefault(name, []).append(node)
 
+    order = {n: i for i, n in enumerate(graph.nodes)}  # original nodes only: members are looked up in it
     fused = 0
     for j, group in enumerate(groups):
         calls = [by_name.get(name, []) for name in group.member_names()]
@@ -74,7 +75,6 @@ def fuse_projections(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule
         if len(inputs) != 1 or has_bias != {group.bias is not None}:
             continue
         (x,) = inputs
-        order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(nodes, key=order.__getitem__)
         register_constant(gm, f"{_PREFIX}w{j}", group.weight)
         if group.bias is not None:

@@ -34,11 +34,11 @@ a CUDA-graph replay cost more than a small drafter's own forward.
 from __future__ import annotations
 
 import logging
-import types
 from dataclasses import dataclass
 
 import torch
 
+from treecompile.compiling import compile_inference
 from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device
 
 logger = logging.getLogger(__name__)
@@ -210,20 +210,6 @@ def _select_core(scores: list, tokens: list, parents: list, root_tokens, cand_de
     )  # fmt: skip
 
 
-def _compiled(fn, tag: str):
-    """``fn`` compiled by Inductor under a private code object: each DraftTree's shapes count against
-    their own recompile limit (as treecompile.target.TargetRunner does for the target)."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
-    private = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__)
-    compiled = torch.compile(private, dynamic=False, fullgraph=True)
-
-    def call(*args):
-        with torch.no_grad():  # inference only: no joint graph
-            return compiled(*args)
-
-    return call
-
-
 class DraftTree:
     """Records K + (S-1)*K*K scored candidates per request and selects the N-node verify tree.
 
@@ -284,7 +270,9 @@ class DraftTree:
         if self.inductor:
             tag = f"{id(self):x}"
             self._begin_fn, self._expand_fn, self._select_fn = (
-                _compiled(f, tag) for f in (_begin_core, _expand_core, _select_core))  # fmt: skip
+                compile_inference(f, f"{f.__name__}_{tag}", fullgraph=True)
+                for f in (_begin_core, _expand_core, _select_core)
+            )  # fmt: skip
         else:
             self._begin_fn, self._expand_fn, self._select_fn = _begin_core, _expand_core, _select_core
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -102,7 +103,8 @@ def fuse_projection_weights(model: nn.Module) -> list[ProjectionGroup]:
 
     A group is fused only when all its members are plain ``nn.Linear`` with one in_features, dtype and
     device and all or none of them have a bias; anything else stays as it is (the pass then leaves those
-    linears alone). Fusing again is a no-op that returns the existing groups.
+    linears alone). Fusing again returns the existing groups while their storage is alive and still viewed
+    (a speculator or drafter holds it), and lays the weights out afresh otherwise.
     """
     groups: list[ProjectionGroup] = []
     for name, module in model.named_modules():
@@ -112,10 +114,11 @@ def fuse_projection_weights(model: nn.Module) -> list[ProjectionGroup]:
                 continue
             sizes = tuple(lin.out_features for lin in linears)
             w0 = linears[0].weight
-            base = getattr(w0, "_treecompile_fused", None)
-            if base is not None:  # fused before: reuse it if it is still intact
-                old = ProjectionGroup(name, members, sizes, base[0], base[1], tuple(linears))
-                if old.intact():
+            refs = getattr(w0, "_treecompile_fused", None)
+            if refs is not None:  # fused before: reuse the storage if it is alive and still viewed
+                old_w, old_b = refs[0](), refs[1]() if refs[1] is not None else None
+                old = ProjectionGroup(name, members, sizes, old_w, old_b, tuple(linears)) if old_w is not None else None
+                if old is not None and old.intact():
                     groups.append(old)
                     continue
             weight = torch.empty(sum(sizes), linears[0].in_features, dtype=w0.dtype, device=w0.device)
@@ -130,7 +133,8 @@ def fuse_projection_weights(model: nn.Module) -> list[ProjectionGroup]:
                 if bias is not None:
                     bias[row : row + size].copy_(lin.bias)
                     lin.bias.data = bias[row : row + size]
-                lin.weight._treecompile_fused = (weight, bias)
+                # Weak: after model.to(...) the parameters must not keep the old fused storage alive.
+                lin.weight._treecompile_fused = (weakref.ref(weight), weakref.ref(bias) if bias is not None else None)
                 row += size
             groups.append(group)
     logger.info("fused %d projection group(s) into one weight each", len(groups))

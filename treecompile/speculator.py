@@ -38,12 +38,13 @@ in the eager ``_commit``), so warm-up and capture cannot corrupt a request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import types
 from typing import Sequence
 
 import torch
 
+from treecompile.compiling import compile_inference
 from treecompile.draft_tree import DraftTree, LaneState
 from treecompile.drafter import DraftContext
 from treecompile.ops._common import MAX_NODES
@@ -86,19 +87,8 @@ class DraftHooks:
             if not self.inductor:
                 setattr(self, name, getattr(drafter, name))
                 continue
-            code = _draft_hook.__code__.replace(co_name=f"_{name}_{id(self):x}")
-            fn = types.FunctionType(code, _draft_hook.__globals__, code.co_name)
-            compiled = torch.compile(fn, dynamic=False)
-            setattr(self, name, self._no_grad(compiled, drafter, name))
-
-    @staticmethod
-    def _no_grad(compiled, drafter, name: str):
-        # Inference only: with grad on, Inductor would build a joint graph the treespec ops cannot serve.
-        def call(*args):
-            with torch.no_grad():
-                return compiled(drafter, name, *args)
-
-        return call
+            compiled = compile_inference(_draft_hook, f"_{name}_{id(self):x}")
+            setattr(self, name, functools.partial(compiled, drafter, name))
 
 
 @dataclasses.dataclass

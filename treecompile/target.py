@@ -42,10 +42,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import types
 
 import torch
 
+from treecompile.compiling import private_copy
 from treecompile.kv_cache import PagedKVCache
 from treecompile.ops._common import MAX_NODES
 from treecompile.registry import AttentionLayer, LinearAttentionLayer, attention_layers, linear_attention_layers
@@ -421,10 +421,8 @@ class TargetRunner:
         compiled = self._compiled.get(shape)
         if compiled is None:
             name = f"_target_forward_{id(self):x}_b{shape[0]}_t{shape[1]}"
-            code = _target_forward.__code__.replace(co_name=name)
-            fn = types.FunctionType(code, _target_forward.__globals__, name)
             compiled = self._compiled[shape] = torch.compile(
-                fn, backend="treespec", fullgraph=True, dynamic=False,
+                private_copy(_target_forward, name), backend="treespec", fullgraph=True, dynamic=False,
                 options={"binding": self.binding, "inductor": self._inductor, "mode": self._mode},
             )  # fmt: skip
         return compiled
