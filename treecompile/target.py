@@ -120,7 +120,7 @@ class TargetBinding:
         BENCHMARKS.md "Linear"); on CPU no, where the sequential op's fp32 path is HF's decode bit for bit.
     fuse_projections : lay each decoder layer's q/k/v and gate/up weights out as one tensor (the members'
         parameters become views of it: same values, no extra memory; :mod:`treecompile.projections`) and
-        let the pass run each group as one linear. Default off (not yet measured on the GPU).
+        let the pass run each group as one linear. Off here; ``TreeSpeculator`` turns it on for CUDA models.
 
     Attributes
     ----------

@@ -128,3 +128,20 @@ def test_generate_with_fused_projections_equals_hf_greedy(family):
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(got.sequences, want)
+
+
+def test_default_fuses_on_cuda_only():
+    """fuse_projections=None: on for CUDA models (measured faster on the H200), off on CPU, where the model's
+    parameters keep their own storage; an explicit bool always wins."""
+    from treecompile.speculator import fuse_projections_default
+
+    assert fuse_projections_default(None, torch.device("cuda")) is True
+    assert fuse_projections_default(None, torch.device("cpu")) is False
+    assert fuse_projections_default(True, torch.device("cpu")) is True
+    assert fuse_projections_default(False, torch.device("cuda")) is False
+    model = tiny_model("llama", layers=1)
+    q_ptr = model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=2, steps=2, num_nodes=3,
+                          max_batch_size=1, max_seq_len=32, page_size=8)  # fmt: skip
+    assert spec.fuse_projections is False and spec.binding.projection_groups == []
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == q_ptr

@@ -185,7 +185,7 @@ class Setup:
     smoke: bool = False
     head: str | None = None
     inductor: bool = False
-    fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows only)
+    fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows; from the CLI: on for CUDA)
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
 
@@ -561,6 +561,8 @@ def write_plot(result: dict, path: str) -> bool:
 
 
 def _setup_from_args(args) -> Setup:
+    from treecompile.speculator import fuse_projections_default
+
     device = torch.device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device: 'cuda' asked for, but no CUDA device is available")
@@ -577,7 +579,7 @@ def _setup_from_args(args) -> Setup:
         raise ValueError("--max-new-tokens and --prompts: expected positive ints")
     return Setup(batch_sizes=batch_sizes, max_new_tokens=max_new, prompts=prompts,
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
-                 inductor=args.inductor, device=device, fuse_projections=args.fuse_projections)  # fmt: skip
+                 inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -597,8 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile treecompile's target with Inductor (minutes per batch size and tree size on "
                              "a slow host; off by default: CUDA graphs already remove launch overhead)")
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
-    parser.add_argument("--fuse-projections", action="store_true",
-                        help="treecompile rows run q/k/v and gate/up as one linear each")
+    parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
+                        help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every configuration)")
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--smoke", action="store_true", help="a tiny random Llama on the CPU (CI)")

@@ -86,7 +86,7 @@ class Setup:
     smoke: bool = False
     inductor: bool = False  # compile the rewritten target with Inductor (fused norms / rope / MLP glue)
     profile_dir: str | None = None  # write a kernel-time table per treecompile variant here
-    fuse_projections: bool = False  # q/k/v and gate/up as one linear each (TreeSpeculator option)
+    fuse_projections: bool | None = None  # q/k/v and gate/up as one linear each (None: TreeSpeculator default)
 
     @property
     def graphs(self) -> bool:
@@ -635,6 +635,8 @@ def _row_order(row: dict) -> tuple[int, int]:
 
 
 def _setup_from_args(args) -> Setup:
+    from treecompile.speculator import fuse_projections_default
+
     if args.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -642,12 +644,12 @@ def _setup_from_args(args) -> Setup:
             device=device, dtype=dtype, target=dict(TARGET_SMOKE), ctx=args.ctx or 96,
             nodes=_int_list(args.nodes) if args.nodes else (64,), draft_vocab=128, hf_tokens=(1, 64),
             reps=args.reps or 3, copy_bytes=8 << 20, smoke=True, inductor=args.inductor, profile_dir=args.profile,
-            fuse_projections=args.fuse_projections,
+            fuse_projections=fuse_projections_default(args.fuse_projections, device),
         )  # fmt: skip
     return Setup(
         device=torch.device("cuda"), dtype=torch.bfloat16, target=dict(TARGET_8B), ctx=args.ctx or 2048,
         nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20, inductor=args.inductor,
-        profile_dir=args.profile, fuse_projections=args.fuse_projections,
+        profile_dir=args.profile, fuse_projections=fuse_projections_default(args.fuse_projections, torch.device("cuda")),
     )  # fmt: skip
 
 
@@ -670,8 +672,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile the rewritten target with Inductor (minutes per graph shape on a slow host)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="also write a kernel-time table (torch.profiler) per variant into DIR")
-    parser.add_argument("--fuse-projections", action="store_true",
-                        help="run q/k/v and gate/up as one linear each (TreeSpeculator(fuse_projections=True))")
+    parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
+                        help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.smoke and not torch.cuda.is_available():
