@@ -459,3 +459,54 @@ def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (128, 64, 4, 16)  # 256 of 264 slots
     if (B, N, capacity) == (1, 64, 4160):  # short cache: 64 x 64 one-warpgroup programs, two per SM
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (64, 64, 4, 8)  # 256 of 264 slots
+
+
+@pytest.mark.parametrize("B,ordered", [(1, True), (1, False), (2, False)])
+def test_cpu_path_shared_plan_follows_every_metadata_change(B, ordered):
+    """The CPU path builds its slots / visibility plan once per forward's metadata tensors and reuses it for
+    every layer: another layer's cache reuses it, while an in-place write to any metadata tensor, or fresh
+    tensors (ids recycled), must rebuild it. Unseen slots hold NaN / inf throughout (float64 reference)."""
+    gen = torch.Generator().manual_seed(21)
+    R, Hq, Hkv, D, page_size, max_pages = 7, 4, 2, 16, 8, 6
+    prefix = [13, 21][:B]
+    q, kc, vc, pt, pl, mask = make_paged(B, R, Hq, Hkv, D, page_size, max_pages, prefix, R, torch.float64, gen)
+    if ordered:  # pages in slot order: the CPU path takes K/V as a view of the cache
+        pt = torch.arange(1, 1 + max_pages, dtype=torch.int32)[None]
+        kc2 = torch.full_like(kc, float("nan"))
+        vc2 = torch.full_like(vc, float("inf"))
+        for t in range(prefix[0] + R):
+            old = int(make_slot(pt, 0, t, page_size))
+            kc2[old], vc2[old] = torch.randn(Hkv, D, generator=gen, dtype=torch.float64), torch.randn(
+                Hkv, D, generator=gen, dtype=torch.float64)
+        kc, vc = kc2, vc2
+    op = torch.ops.treespec.tree_attention_paged
+
+    def check(q, kc, vc, pt, pl, mask):
+        got = op(q, kc, vc, pt, pl, mask, page_size, R, 0.25)
+        want = tree_attention_paged_reference(q, kc, vc, pt, pl, mask, page_size, R, 0.25)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        return got
+
+    first = check(q, kc, vc, pt, pl, mask)
+    # Another layer: same metadata objects, other K/V (the plan is shared, the values are not).
+    check(q, kc.flip(-1), vc.flip(-1), pt, pl, mask)
+    # In-place writes bump version counters, including writes through a view.
+    mask[:, 3] = 1 << 3  # row 3 now sees only its own window key (others unseen by it)
+    changed = check(q, kc, vc, pt, pl, mask)
+    assert not torch.allclose(changed[:, 3], first[:, 3])
+    mask[:, :R].copy_(torch.stack([random_tree_mask(R, gen) for _ in range(B)]))
+    check(q, kc, vc, pt, pl, mask)
+    pl[:1].sub_(2)  # a shorter prefix: two more window-adjacent keys leave every row's view
+    check(q, kc, vc, pt, pl, mask)
+    # Window bits some rows leave out: keys nobody sees hold NaN and must stay out.
+    mask.copy_(torch.tensor([1 << i for i in range(R)], dtype=torch.int64).repeat(B, 1))
+    mask[:, 0] = 0
+    check(q, kc, vc, pt, pl, mask)
+    for _ in range(4):  # fresh tensors each time (CPython may recycle the ids of the dead ones)
+        m = torch.stack([random_tree_mask(R, gen) for _ in range(B)])
+        check(q, kc, vc, pt.clone(), pl.clone(), m)
+
+
+def make_slot(pt, b, t, page_size):
+    return pt[b, t // page_size] * page_size + t % page_size
