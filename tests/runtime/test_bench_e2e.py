@@ -159,8 +159,10 @@ def test_json_is_written_after_each_configuration(tmp_path, monkeypatch):
         (["--trees", "4,6,65"], "num_nodes <= 64"),
         (["--configs", "tc_plain,bogus"], "--configs: unknown ['bogus']"),
         (["--batch-sizes", "0"], "--batch-sizes: expected a comma-separated list of positive ints"),
+        (["--dtype", "float64"], "--dtype: one of ['bfloat16', 'float16', 'float32'], got 'float64'"),
+        (["--dtype", "float32"], "--dtype: the smoke model always runs in float32"),
     ],
-    ids=["trees-2-ints", "trees-65-nodes", "configs-bogus", "batch-0"],
+    ids=["trees-2-ints", "trees-65-nodes", "configs-bogus", "batch-0", "dtype-unknown", "dtype-smoke"],
 )
 def test_bad_arguments_are_one_clear_line(args, match, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -186,7 +186,11 @@ class Setup:
     head: str | None = None
     inductor: bool = False
     fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows; from the CLI: on for CUDA)
+    dtype: str | None = None  # SmolLM2's dtype: None is bfloat16 on CUDA, float32 on CPU
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def heldout_in_order() -> list[str]:
@@ -210,7 +214,10 @@ def _load_smollm2(setup: Setup):
     head = Path(setup.head) if setup.head is not None else shipped_head_path()
     if not (head / "config.json").is_file():
         raise ValueError(f"--head: {str(head)!r} has no config.json (expected an EAGLE-3 head directory)")
-    dtype = torch.bfloat16 if setup.device.type == "cuda" else torch.float32
+    if setup.dtype is not None:
+        dtype = DTYPES[setup.dtype]
+    else:
+        dtype = torch.bfloat16 if setup.device.type == "cuda" else torch.float32
     model, tokenizer = load_smollm2(dtype=dtype, device=setup.device)
     drafter = EagleDrafter.from_pretrained(head, model)
     texts = heldout_in_order()
@@ -577,9 +584,14 @@ def _setup_from_args(args) -> Setup:
     prompts = args.prompts if args.prompts is not None else (2 if args.smoke else 8)
     if max_new < 1 or prompts < 1:
         raise ValueError("--max-new-tokens and --prompts: expected positive ints")
+    if args.dtype is not None and args.dtype not in DTYPES:
+        raise ValueError(f"--dtype: one of {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.dtype is not None and args.smoke:
+        raise ValueError("--dtype: the smoke model always runs in float32")
     return Setup(batch_sizes=batch_sizes, max_new_tokens=max_new, prompts=prompts,
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
-                 inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device))  # fmt: skip
+                 inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device),
+                 dtype=args.dtype)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -601,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                         help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
+    parser.add_argument("--dtype", default=None,
+                        help="SmolLM2's dtype: bfloat16, float16 or float32 (default bfloat16 on CUDA, float32 on CPU); "
+                             "float32 on the GPU checks that every row's text equals the plain greedy output")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after every configuration)")
     parser.add_argument("--plot", default=None, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--smoke", action="store_true", help="a tiny random Llama on the CPU (CI)")
