@@ -272,7 +272,7 @@ class _CpuPlan:
     """What the CPU path derives from a forward's metadata alone: the key slots, the visibility mask and
     what can be skipped. Every attention layer of one forward passes the same ``page_table`` / ``prefix_len``
     / ``ancestor_mask`` tensors (one graph node each), so the rewritten graph's 2nd..Lth layers reuse the
-    plan the 1st built; on SmolLM2 that took a 24-row verify's attention from ~0.85 to ~0.3 ms a layer.
+    plan the 1st built (SmolLM2 shapes, 24 rows, 2 CPU threads: ~0.7 -> ~0.4-0.5 ms a layer, SDPA itself ~0.18).
 
     The plan is keyed by the three tensors' identity (weak references: a dead tensor never matches, even if
     a new one reuses its id) and their version counters (any in-place write, through any view, bumps them),
