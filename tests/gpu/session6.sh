@@ -6,7 +6,8 @@
 #   2. float32 on the GPU: every treecompile row's text equals the plain greedy output (lossless check with
 #      the shipped head and fused projections);
 #   3. batch 4 and 16 with the current loop;
-#   4. the cascade split sweep for 1- and 32-row forwards at short prefixes (tests/gpu/next_sweep.sh).
+#   4. the cascade split sweep for 1- and 32-row forwards at short prefixes (tests/gpu/next_sweep.sh);
+#   5. kernel tables of the fused 8B decode / verify / draft rounds (`bench rounds --profile`).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache
 P=${P:-/tmp/pipe}
@@ -29,4 +30,9 @@ timeout 600 python3 -m treecompile.bench e2e --model smollm2 --batch-sizes 4,16 
 stage "e2e batch 4,16 rc=$?"
 
 OUT=$P bash tests/gpu/next_sweep.sh > "$P/sweep.log" 2>&1
+stage "sweep done"
+
+# 5. where the fused decode step's 1.40x over its floor goes (kernel tables per variant)
+timeout 240 python3 -m treecompile.bench rounds --inductor --nodes 64 --reps 10 --profile "$P/prof" \
+  --json "$P/rounds_prof.json" 2>&1 | grep "^| treecompile\|^c =" > "$P/rounds.log"
 stage "DONE"
