@@ -57,13 +57,16 @@ def tiny_model(family: str, seed: int = 0):
 FAMILIES = ("qwen3_next", "qwen3_5", "mamba2", "bamba")
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_random_drafter_matches_hf_greedy(family):
+def test_random_drafter_matches_hf_greedy(family, fuse):
     """K=3, S=4, N=10 with a random EAGLE-3 head; two ragged batches of 3 prompts through one speculator
-    (the second batch must see nothing of the first's recurrent state), 12 new tokens each."""
+    (the second batch must see nothing of the first's recurrent state), 12 new tokens each. Also with fused
+    projections, the default on CUDA: hybrids' attention and MLP layers fuse, their linear layers do not."""
     model = tiny_model(family)
     spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=3, steps=4, num_nodes=10,
-                          max_batch_size=3, max_seq_len=64, page_size=8)  # fmt: skip
+                          max_batch_size=3, max_seq_len=64, page_size=8, fuse_projections=fuse)  # fmt: skip
+    assert bool(spec.binding.projection_groups) == (fuse and family != "mamba2")
     assert spec.binding.linear_layers
     g = torch.Generator().manual_seed(7)
     for _ in range(2):
