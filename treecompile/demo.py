@@ -60,6 +60,10 @@ def shipped_head_path(name: str = "smollm2") -> Path:
     return path
 
 
+# The dtypes the demo and the end-to-end bench load SmolLM2 in, by name (their --dtype).
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
 def tree_for_device(device: torch.device) -> tuple[int, int, int]:
     """The hard-coded tree shape that pays on ``device`` (see :data:`CPU_TREE`, :data:`CUDA_TREE`)."""
     return CUDA_TREE if device.type == "cuda" else CPU_TREE
@@ -169,10 +173,9 @@ def demo_results(
         raise ValueError(f"head: {str(head_path)!r} has no config.json (expected an EAGLE-3 head directory)")
     topk, steps, num_nodes = tree if tree is not None else tree_for_device(device)
 
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in dtypes:
-        raise ValueError(f"dtype: one of {sorted(dtypes)}, got {dtype!r}")
-    dtype = dtypes[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: one of {sorted(DTYPES)}, got {dtype!r}")
+    dtype = DTYPES[dtype]
     model, tokenizer = load_smollm2(dtype=dtype, device=device)
     drafter = EagleDrafter.from_pretrained(head_path, model)
     eos = eos_token_ids(model)

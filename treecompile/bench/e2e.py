@@ -58,6 +58,7 @@ from typing import Callable
 import torch
 
 from treecompile.demo import (
+    DTYPES,
     PAGE_SIZE,
     PREFILL_CHUNK,
     eos_token_ids,
@@ -188,9 +189,6 @@ class Setup:
     fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows; from the CLI: on for CUDA)
     dtype: str | None = None  # SmolLM2's dtype: None is bfloat16 on CUDA, float32 on CPU
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
-
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def heldout_in_order() -> list[str]:
