@@ -1,8 +1,8 @@
 """Where a generate round's wall time goes at SmolLM2-135M shapes (GPU; random weights, so timing only).
 
 For each config (plain decode = a one-node tree, a tree) it times, after the warm-up that captures the graphs:
-the whole ``generate`` per round (wall), the draft and verify graphs alone (CUDA events over back-to-back
-replays), the eager ``_commit`` (GPU time and host launch time) and the host time to launch one replay. The
+the whole ``generate`` per round (wall; interleaved with ``lookahead`` off and on), the draft and verify
+(+ commit) graphs alone (CUDA events over back-to-back replays) and the host time to launch one replay. The
 difference between a round's wall time and the GPU time of its parts is time the GPU waits for the host.
 
     python3 tests/gpu/loop_profile.py out.json [PROFILE_DIR|-] [fuse]
@@ -55,23 +55,29 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
                           inductor=inductor, fuse_projections=fuse)  # fmt: skip
     ids = torch.randint(1, 49152, (1, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     spec.generate(ids, max_new_tokens=32, eos_token_id=[])  # warm-up: compile + capture
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    res = spec.generate(ids, max_new_tokens=new_tokens, eos_token_id=[])
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) * 1e3
+    walls = {False: [], True: []}
+    for _ in range(3):  # interleaved A/B: rounds read the stop flags after each round, or one round behind
+        for lookahead in (False, True):
+            spec.lookahead = lookahead
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            res = spec.generate(ids, max_new_tokens=new_tokens, eos_token_id=[])
+            torch.cuda.synchronize()
+            walls[lookahead].append(((time.perf_counter() - t) * 1e3, res.accept_lengths.shape[0]))
+    spec.lookahead = True
     rounds = res.accept_lengths.shape[0]
     # Graph parts on a live state (a fresh request, a few rounds in).
-    spec.generate(ids, max_new_tokens=8, eos_token_id=[])
     st = spec._new_state(1, [40], [ids[0].tolist()], [], 10_000)
     spec._prefill(st, 40)
     for _ in range(3):
         spec._round(st)
     draft, verify = spec._graphs[1]
-    out = dict(shape=list(shape), inductor=inductor, fuse_projections=fuse, wall_ms=wall, rounds=rounds, tokens=int(res.sequences.shape[1] - 40),
-               ms_per_round=wall / rounds,
-               draft_gpu_ms=gpu_ms(draft.replay, 50), verify_gpu_ms=gpu_ms(verify.replay, 50),
-               commit_gpu_ms=gpu_ms(lambda: spec._commit(st), 50), commit_host_ms=host_ms(lambda: spec._commit(st), 50),
+    best = {la: min(w for w, _ in v) for la, v in walls.items()}
+    out = dict(shape=list(shape), inductor=inductor, fuse_projections=fuse, rounds=rounds,
+               tokens=int(res.sequences.shape[1] - 40),
+               ms_per_round_sync=best[False] / rounds, ms_per_round_lookahead=best[True] / rounds,
+               walls_ms={str(k): [round(w, 2) for w, _ in v] for k, v in walls.items()},
+               draft_gpu_ms=gpu_ms(draft.replay, 50), verify_commit_gpu_ms=gpu_ms(verify.replay, 50),
                replay_host_ms=host_ms(verify.replay, 50),
                any_host_ms=host_ms(lambda: bool(st["running"].any()), 50))  # fmt: skip
     if profile_dir:
@@ -86,7 +92,9 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
             tag = f"{name}_{k}_{s}_{n}_{'inductor' if inductor else 'eager'}{'_fused' if fuse else ''}"
             with open(f"{profile_dir}/{tag}.txt", "w") as f:
                 f.write(f"{tag}: 5 replays\n{table}\n")
-    out["idle_ms_per_round"] = out["ms_per_round"] - out["draft_gpu_ms"] * (n > 1) - out["verify_gpu_ms"] - out["commit_gpu_ms"]
+    gpu = out["draft_gpu_ms"] * (n > 1) + out["verify_commit_gpu_ms"]
+    out["idle_ms_per_round_sync"] = out["ms_per_round_sync"] - gpu
+    out["idle_ms_per_round_lookahead"] = out["ms_per_round_lookahead"] - gpu
     return out
 
 
@@ -96,6 +104,8 @@ def main() -> None:
     # "fuse": Inductor only, unfused then fused projections (fusing changes the model's weight layout for
     # good, so the unfused runs go first).
     variants = [(True, False), (True, True)] if "fuse" in sys.argv[3:] else [(False, False), (True, False)]
+    if "fused-only" in sys.argv[3:]:
+        variants = [(True, True)]
     model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
     drafter = EagleDrafter.for_target(model, seed=0).to("cuda", torch.bfloat16).eval()
     results = []

@@ -105,6 +105,29 @@ def test_captured_commit_follows_each_request():
     assert list(graphs._graphs) == [3]  # captured once, for B = 3; every request above replayed it
 
 
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 9, 40])
+def test_lookahead_rounds_equal_synced_rounds(max_new_tokens):
+    """Rounds launched one ahead of the stop-flag read emit exactly what rounds read after each emit: same
+    sequences, same per-round accept lengths (the round launched after the last stop is dropped), for
+    requests that stop in the capturing round, right after it, or many rounds later at different rounds."""
+    model = tiny_llama()
+    drafter = EagleDrafter.for_target(model, seed=1)
+    kwargs = dict(topk=4, steps=5, num_nodes=32, max_batch_size=3, max_seq_len=256)
+    ahead = TreeSpeculator(model, drafter, lookahead=True, **kwargs)
+    synced = TreeSpeculator(model, drafter, lookahead=False, **kwargs)
+    ids, mask = ragged()
+    new = synced.generate(ids, mask, max_new_tokens=40, eos_token_id=[]).sequences[:, ids.shape[1]:]
+    stops = [int(new[0, min(max_new_tokens, 40) // 2]), int(new[2, min(max_new_tokens, 40) - 1])]
+    for eos in ([], stops):
+        for _ in range(2):  # the second request replays graphs captured by the first
+            got = ahead.generate(ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos)
+            ref = synced.generate(ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos)
+            assert torch.equal(got.sequences, ref.sequences)
+            assert torch.equal(got.accept_lengths, ref.accept_lengths)
+        if not eos:  # no stop id: every request emits exactly max_new_tokens
+            assert got.accept_lengths.sum(0).tolist() == [max_new_tokens - 1] * 3  # the first comes from prefill
+
+
 def test_fused_projections_on_cuda_agree_with_hf_greedy():
     """fuse_projections=True under Inductor and CUDA graphs: one linear per q/k/v and gate/up group, float32
     output agreeing with HF greedy as the unfused path does (GEMM shapes differ, so roundings may)."""

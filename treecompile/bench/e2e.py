@@ -187,6 +187,7 @@ class Setup:
     head: str | None = None
     inductor: bool = False
     fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows; from the CLI: on for CUDA)
+    lookahead: bool = True  # launch each round before reading the last one's stop flags (CUDA graphs)
     dtype: str | None = None  # SmolLM2's dtype: None is bfloat16 on CUDA, float32 on CPU
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
@@ -313,7 +314,7 @@ class E2EBench:
             **desc, "device": torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else str(s.device),
             "dtype": str(self.dtype).removeprefix("torch."), "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda_graphs": s.device.type == "cuda",
-            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
+            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "lookahead": s.lookahead, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
             "max_new_tokens": s.max_new_tokens, "prompts_requested": s.prompts,
             "prompt_tokens": [len(p) for p in self.prompts], "configs": [c.name for c in s.configs],
         }  # fmt: skip
@@ -336,7 +337,8 @@ class E2EBench:
                                   max_batch_size=max(self.setup.batch_sizes), max_seq_len=self.max_seq_len,
                                   page_size=PAGE_SIZE, prefill_chunk=PREFILL_CHUNK,
                                   inductor=self.setup.inductor,
-                                  fuse_projections=self.setup.fuse_projections)  # fmt: skip
+                                  fuse_projections=self.setup.fuse_projections,
+                                  lookahead=self.setup.lookahead)  # fmt: skip
             if self._shared is None:
                 self._shared = (spec.binding, spec.runner)
             else:
@@ -589,7 +591,7 @@ def _setup_from_args(args) -> Setup:
     return Setup(batch_sizes=batch_sizes, max_new_tokens=max_new, prompts=prompts,
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
                  inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device),
-                 dtype=args.dtype)  # fmt: skip
+                 dtype=args.dtype, lookahead=args.lookahead)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -611,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                         help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
+    parser.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="launch each CUDA-graph round before reading the previous round's stop flags (default on)")
     parser.add_argument("--dtype", default=None,
                         help="SmolLM2's dtype: bfloat16, float16 or float32 (default bfloat16 on CUDA, float32 on CPU); "
                              "float32 on the GPU checks that every row's text equals the plain greedy output")
