@@ -9,6 +9,7 @@ difference between a round's wall time and the GPU time of its parts is time the
 """
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -110,7 +111,8 @@ def main() -> None:
     drafter = EagleDrafter.for_target(model, seed=0).to("cuda", torch.bfloat16).eval()
     results = []
     for inductor, fuse in variants:
-        for shape in ((1, 1, 1), (4, 6, 32)):
+        shapes = os.environ.get("SHAPES", "1,1,1;4,6,32")  # e.g. SHAPES="8,6,64" for one tree
+        for shape in (tuple(int(x) for x in sh.split(",")) for sh in shapes.split(";")):
             try:
                 with torch.no_grad():
                     r = profile(model, drafter, shape, inductor, profile_dir=profile_dir if inductor else None, fuse=fuse)
