@@ -97,15 +97,20 @@ def choose_config(
         # 185 us). Window programs are one tile each and fill the gaps.
         num_splits = max(1, resident_ctas_per_sm(block_m, num_warps) * sms // (B * Hkv * nrb))
     num_splits = max(1, min(num_splits, triton.cdiv(capacity, block_n), 128))
+    # A split writes BLOCK_M x D fp32 partials. Compute-heavy rows (> 128 a KV head: verify N=64) give each
+    # split >= 4 * BLOCK_M keys so that stays <= 1/4 of its K/V reads. Few rows (decode, draft lanes, N <= 32
+    # verify with G <= 4) are latency-bound at short prefixes: one tile a split lets every live tile run at
+    # once instead of one program walking 4 tiles in turn (H200 sweep, Hq=32 Hkv=8 D=128, per layer: P=256
+    # N=1 10.2 -> 6.0-6.4 us, N=32 13.7 -> 9.7 us; P=2048 N=1 11.9 -> 9.6 us, N=32 17.4 -> 16.8 us;
+    # notes/gpu-2026-11-30f/sweep_small_rows.json).
+    min_chunk = block_n if rows <= 128 else max(256, 4 * block_m)
     cfg = dict(
         block_m=block_m,
         block_n=block_n,
         num_warps=num_warps,
         num_stages=num_stages,
         num_splits=num_splits,
-        # A split writes BLOCK_M x D fp32 partials: give it >= 4 * BLOCK_M keys so that stays <= 1/4 of its
-        # K/V reads (short prefixes then use few splits instead of many near-empty ones).
-        min_chunk=max(256, 4 * block_m),
+        min_chunk=min_chunk,
     )
     cfg.update(override)
     return CascadeConfig(**cfg)
