@@ -331,6 +331,15 @@ class EagleDrafter(nn.Module):
         attn.qkv_weight = qkv.weight if qkv is not None and qkv.bias is None else None
         mlp.gate_up_weight = gate_up.weight if gate_up is not None and gate_up.bias is None else None
 
+    def pack_linears(self) -> None:
+        """Run the head's ``nn.Linear`` modules (fc, the midlayer's projections, lm_head) on oneDNN-packed
+        weights when they are float32 on the CPU (:mod:`treecompile.packed_linear`); on any other device or
+        dtype they keep running ``F.linear``. Idempotent. The fused q/k/v and gate/up weights of
+        :meth:`fuse_projections` stay plain GEMMs."""
+        from treecompile.packed_linear import pack_module_linears
+
+        pack_module_linears(self)
+
     def _apply(self, fn, *args, **kwargs):
         # .to() / .half() give every parameter new storage: the fused views would be stale, so drop them.
         self.midlayer.self_attn.qkv_weight = None

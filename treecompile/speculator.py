@@ -116,6 +116,26 @@ def fuse_projections_default(fuse_projections: bool | None, device: torch.device
     return device.type == "cuda" if fuse_projections is None else bool(fuse_projections)
 
 
+def packed_linears_default(
+    packed_linears: bool | None, device: torch.device, dtype: torch.dtype, inductor: bool = False
+) -> bool:
+    """``TreeSpeculator(packed_linears=None)``: on for float32 CPU models run eagerly when oneDNN is available
+    (a 24-row SmolLM2 forward 274 -> 209 ms on the 2-core CI VM), off otherwise. True is refused where it
+    cannot apply (Inductor graphs do their own CPU weight packing)."""
+    from treecompile.packed_linear import packing_available
+
+    fits = device.type == "cpu" and dtype == torch.float32
+    if packed_linears is None:
+        return fits and not inductor and packing_available()
+    if packed_linears and not fits:
+        raise ValueError(f"packed_linears: only float32 CPU models have packed linears (model: {dtype} on {device.type})")
+    if packed_linears and inductor:
+        raise ValueError("packed_linears: packs eager graphs only; with inductor=True leave it unset or False")
+    if packed_linears and not packing_available():
+        raise ValueError("packed_linears: this torch build has no oneDNN (torch.backends.mkldnn) linear prepacking")
+    return bool(packed_linears)
+
+
 class TreeSpeculator:
     """Greedy tree speculation over an HF causal LM and an EAGLE-style drafter.
 
@@ -153,6 +173,11 @@ class TreeSpeculator:
     mamba2_chunked : Mamba2 forwards of >= 4 rows in the chunked tree form (``mamba2_tree_verify_chunked``,
         every node at once) instead of the sequential tree kernel; default: on CUDA yes, on CPU no
         (TargetBinding).
+    packed_linears : run the target's and the drafter's float32 linears on oneDNN-packed weights
+        (:mod:`treecompile.packed_linear`; the target's inside the rewritten graph only, so the model and HF's
+        own ``generate`` are untouched). Default: on for float32 CPU models without Inductor (small-row GEMMs
+        are where MKL is slow on the CPU; costs the weights' memory once more), off otherwise; True elsewhere
+        is refused.
     lookahead : with CUDA graphs, launch each round before reading the previous round's stop flags, so the
         GPU does not wait for the host between rounds (one extra round, which commits nothing, runs after
         the last request stops). False reads the flags after every round (for A/B timing).
@@ -178,6 +203,7 @@ class TreeSpeculator:
         gdn_chunked: bool = False,
         mamba2_chunked: bool | None = None,
         fuse_projections: bool | None = None,
+        packed_linears: bool | None = None,
         lookahead: bool = True,
     ) -> None:
         topk = _positive_int("topk", topk)
@@ -224,6 +250,7 @@ class TreeSpeculator:
         )  # fmt: skip
         self.model, self.drafter = model, drafter
         self.fuse_projections = fuse_projections_default(fuse_projections, self.device)
+        self.packed_linears = packed_linears_default(packed_linears, self.device, self.dtype, inductor=inductor is True)
         self.vocab_size = int(config.vocab_size)
         # Rows per forward. Linear-attention pools (payload rows, conv inputs, the GDN workspace: a state per
         # row) are sized by it, so hybrids bind only the rows they run; attention metadata is small.
@@ -232,10 +259,12 @@ class TreeSpeculator:
             model, max_batch_size, self.max_seq_len, max_rows=max_rows, page_size=page_size,
             layers=resolved.target_layers, linear_layers=resolved.linear_layers, replay_ssm=replay_ssm,
             state_dtype=ssm_state_dtype, gdn_chunked=gdn_chunked, mamba2_chunked=mamba2_chunked,
-            fuse_projections=self.fuse_projections,
+            fuse_projections=self.fuse_projections, packed_linears=self.packed_linears,
         )  # fmt: skip
         if self.fuse_projections and hasattr(drafter, "fuse_projections"):
             drafter.fuse_projections()
+        if self.packed_linears and hasattr(drafter, "pack_linears"):
+            drafter.pack_linears()
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too

@@ -121,6 +121,9 @@ class TargetBinding:
     fuse_projections : lay each decoder layer's q/k/v and gate/up weights out as one tensor (the members'
         parameters become views of it: same values, no extra memory; :mod:`treecompile.projections`) and
         let the pass run each group as one linear. Off here; ``TreeSpeculator`` turns it on for CUDA models.
+    packed_linears : let the pass run the graph's float32 CPU linears on oneDNN-packed weights
+        (:mod:`treecompile.packed_linear`; eager graphs only). Off here; ``TreeSpeculator`` turns it on for
+        float32 CPU models.
 
     Attributes
     ----------
@@ -154,6 +157,7 @@ class TargetBinding:
         gdn_chunked: bool = False,
         mamba2_chunked: bool | None = None,
         fuse_projections: bool = False,
+        packed_linears: bool = False,
     ) -> None:
         if not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_NODES:
             raise ValueError(f"max_rows: must be an int in 1..{MAX_NODES}, got {max_rows!r}")
@@ -201,6 +205,7 @@ class TargetBinding:
             from treecompile.projections import fuse_projection_weights
 
             self.projection_groups = fuse_projection_weights(model)
+        self.packed_linears = bool(packed_linears)
         self.calls = 0
 
     def check_projections(self) -> None:

@@ -8,13 +8,12 @@ and speculative generate with fused projections equals HF greedy (float64, every
 import pytest
 import torch
 
-import treecompile.passes as passes_pkg
 from treecompile.drafter import EagleDrafter
 from treecompile.projections import fuse_projection_weights
 from treecompile.speculator import TreeSpeculator
-from treecompile.target import TargetBinding, TargetRunner, chain_mask
+from treecompile.target import chain_mask
 
-from test_rewrite_attention import FAMILIES, Captured, path_to, random_tree, tiny_model, tree_metadata
+from test_rewrite_attention import FAMILIES, path_to, random_tree, rewrite_and_capture, tiny_model, tree_metadata
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,19 +67,7 @@ def fused(request):
     """(family, model, binding, runner, rewritten GraphModule), fused projections, B=2 x T=9 rows."""
     family = request.param
     model = tiny_model(family)
-    binding = TargetBinding(model, max_batch=2, max_seq_len=48, max_rows=9, page_size=8, fuse_projections=True)
-    runner = TargetRunner(model, binding, aux_layers=(1, 2), inductor=False)
-    capture = Captured()
-    mp = pytest.MonkeyPatch()
-    mp.setattr(passes_pkg, "PASSES", passes_pkg.PASSES + [capture])
-    try:
-        binding.load(torch.zeros(2, dtype=torch.int64), chain_mask(9).expand(2, 9))
-        with torch.no_grad():
-            runner(torch.randint(0, 96, (2, 9)), torch.arange(9).expand(2, 9).contiguous())
-    finally:
-        mp.undo()
-    assert len(capture.graphs) == 1
-    return family, model, binding, runner, capture.graphs[0]
+    return (family, model, *rewrite_and_capture(model, fuse_projections=True))
 
 
 def test_graph_runs_one_linear_per_group_over_the_fused_storage(fused):

@@ -76,12 +76,9 @@ class Captured:
         return gm
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def rewritten(request):
-    """(family, model, binding, runner, rewritten GraphModule) with B=2 requests x T=9 rows."""
-    family = request.param
-    model = tiny_model(family)
-    binding = TargetBinding(model, max_batch=2, max_seq_len=48, max_rows=9, page_size=8)
+def rewrite_and_capture(model, **binding_kwargs):
+    """(binding, runner, rewritten GraphModule) after one eager forward of B=2 requests x T=9 rows."""
+    binding = TargetBinding(model, max_batch=2, max_seq_len=48, max_rows=9, page_size=8, **binding_kwargs)
     runner = TargetRunner(model, binding, aux_layers=(1, 2), inductor=False)
     capture = Captured()
     mp = pytest.MonkeyPatch()
@@ -95,11 +92,23 @@ def rewritten(request):
     finally:
         mp.undo()
     assert len(capture.graphs) == 1
-    return family, model, binding, runner, capture.graphs[0]
+    return binding, runner, capture.graphs[0]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def rewritten(request):
+    """(family, model, binding, runner, rewritten GraphModule) with B=2 requests x T=9 rows."""
+    family = request.param
+    model = tiny_model(family)
+    return (family, model, *rewrite_and_capture(model))
 
 
 def _targets(gm):
-    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    """Call targets, each eager-CPU direct call (passes/direct_cpu_ops.py) read as the op it stands for."""
+    from treecompile.passes.direct_cpu_ops import DIRECT
+
+    op_of = {impl: op for op, impl in DIRECT.items()}
+    return [op_of.get(n.target, n.target) for n in gm.graph.nodes if n.op == "call_function"]
 
 
 def test_rewritten_graph_has_treespec_ops_and_no_sdpa(rewritten):
@@ -111,6 +120,32 @@ def test_rewritten_graph_has_treespec_ops_and_no_sdpa(rewritten):
     assert torch._C._nn.scaled_dot_product_attention not in targets
     assert torch.nn.functional.scaled_dot_product_attention not in targets
     assert gm.treespec_layers == [f"model.layers.{i}.self_attn" for i in range(layers)]
+
+
+def test_eager_cpu_graph_calls_the_attention_ops_directly(rewritten):
+    """On an eager CPU graph the attention ops run their CPU implementations without the dispatcher; a
+    graph handed to Inductor, or one on another device, keeps the ops."""
+    from treecompile.passes.direct_cpu_ops import DIRECT, direct_cpu_ops
+    from treecompile.backend import TreespecOptions
+
+    family, model, binding, runner, gm = rewritten
+    raw = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert not set(DIRECT) & set(raw)
+    assert sum(t in DIRECT.values() for t in raw) == 2 * model.config.num_hidden_layers
+
+    def fresh():
+        g = torch.fx.Graph()
+        k, v, x, slots = (g.placeholder(n) for n in "kvxs")
+        g.call_function(torch.ops.treespec.kv_write.default, (k, v, x, x, slots))
+        g.output(None)
+        return torch.fx.GraphModule(torch.nn.Module(), g)
+
+    for inductor, device in ((True, "cpu"), (False, "meta")):
+        other = type("B", (), {"device": torch.device(device)})()
+        kept = direct_cpu_ops(fresh(), TreespecOptions(inductor=inductor, binding=other))
+        assert torch.ops.treespec.kv_write.default in [n.target for n in kept.graph.nodes]
+    done = direct_cpu_ops(fresh(), TreespecOptions(inductor=False, binding=binding))
+    assert torch.ops.treespec.kv_write.default not in [n.target for n in done.graph.nodes]
 
 
 def test_graph_reads_the_bindings_own_tensors(rewritten):
