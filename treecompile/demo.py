@@ -40,11 +40,17 @@ __all__ = [
 # timed 227-249 ms there, 2x a 1-row decode: the GEMMs leave the weight-read regime at a few rows). The tree
 # with the highest tau among the cheapest wins: (6,5,24). Fifth session, the new head, one process: every shape
 # from the chain (1,5,6) to (6,5,24) ran 0.83-0.90x HF eager, within noise; (6,5,24) alone reaches tau >= 2.5.
-CPU_TREE = (6, 5, 24)
-# H200 (bf16, 12 held-out prompts x 256 tokens, Inductor, BENCHMARKS.md "End to end", fifth session, the shipped
-# head): (8,6,64) is the fastest tree, 1283.9 tokens/s (tau 3.07) against 1149.3 for (4,6,32) with fused
-# projections, 1058.2 against 988.0 without.
-CUDA_TREE = (8, 6, 64)
+# Sixth session, with packed linears and direct CPU attention ops (demo_results per tree, one process, 2
+# threads): (4,4,12) tau 2.46 10.82 tokens/s vs HF eager 8.98 (1.20x; before the direct ops); (4,4,16) tau
+# 2.54, 11.47 vs 9.44 (1.22x) and 1.32x treecompile plain (8.71); (4,5,16) tau 2.54, 11.08 vs 9.01 (1.23x);
+# (6,5,24) tau 2.67, 9.65 vs 8.93 (1.08x, before the direct ops). Verify rows now cost little (oneDNN), the
+# draft steps and per-op overhead more: (4,4,16) is the cheapest tree with tau >= 2.5.
+CPU_TREE = (4, 4, 16)
+# H200 (12 held-out prompts, BENCHMARKS.md "End to end", the shipped head). bf16, 256 tokens, Inductor: fifth
+# session (8,6,64) 1283.9 tokens/s (tau 3.07) vs (4,6,32) 1149.3; sixth session, one run with lookahead rounds,
+# (4,6,32) 1256.9 vs (8,6,64) 1153.9. float32 (the demo's default dtype), 128 tokens, sixth session: (4,6,32)
+# 367.1 vs (8,6,64) 271.7 (a 64-row float32 verify is compute-bound without bf16 tensor cores).
+CUDA_TREE = (4, 6, 32)
 PAGE_SIZE = 64
 PREFILL_CHUNK = 64  # the most rows one forward takes (MAX_NODES)
 
