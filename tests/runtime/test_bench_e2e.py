@@ -127,6 +127,22 @@ def test_a_failing_configuration_is_reported_and_the_run_goes_on(tmp_path):
     assert "| 1 | tree(4,6,16) | fail: ValueError" in stdout
 
 
+def test_repeats_time_every_pass_and_report_the_median(tmp_path):
+    json_path = tmp_path / "repeats.json"
+    rc, _ = _run(["--smoke", "--configs", "hf_eager,tc_tree", "--trees", "2,2,3", "--batch-sizes", "1",
+                  "--prompts", "2", "--max-new-tokens", "4", "--repeats", "3", "--json", str(json_path)])  # fmt: skip
+    assert rc == 0
+    result = json.loads(json_path.read_text())
+    assert result["setup"]["repeats"] == 3
+    for row in result["rows"]:
+        walls = row["wall_s_repeats"]
+        assert len(walls) == 3 and all(w > 0 for w in walls)
+        assert row["wall_s"] == sorted(walls)[1]
+        assert math.isclose(row["tokens_per_s"], row["new_tokens"] / row["wall_s"])
+        assert row["prompts"] == 2 and row["error"] is None
+    assert {r["config"]: r["outputs_match"] for r in result["rows"]} == {"hf_eager": True, "tree(2,2,3)": True}
+
+
 class _Killed(BaseException):
     """Stands for the time limit's kill: not an Exception, so no configuration handler catches it."""
 
@@ -161,8 +177,9 @@ def test_json_is_written_after_each_configuration(tmp_path, monkeypatch):
         (["--batch-sizes", "0"], "--batch-sizes: expected a comma-separated list of positive ints"),
         (["--dtype", "float64"], "--dtype: one of ['bfloat16', 'float16', 'float32'], got 'float64'"),
         (["--dtype", "float32"], "--dtype: the smoke model always runs in float32"),
+        (["--repeats", "0"], "--repeats: expected an int in 1..20, got 0"),
     ],
-    ids=["trees-2-ints", "trees-65-nodes", "configs-bogus", "batch-0", "dtype-unknown", "dtype-smoke"],
+    ids=["trees-2-ints", "trees-65-nodes", "configs-bogus", "batch-0", "dtype-unknown", "dtype-smoke", "repeats-0"],
 )
 def test_bad_arguments_are_one_clear_line(args, match, capsys):
     with pytest.raises(SystemExit) as exc:

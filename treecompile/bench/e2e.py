@@ -24,8 +24,9 @@ taken round-robin over its categories, chat template applied. Batch size b runs 
 (P = ``--prompts``) in batches of b, left-padded as HF expects.
 
 Per configuration and batch size: a warm-up call on the first batch (compiles, captures the CUDA graphs; its
-time is reported as ``warmup_s`` and excluded), then every batch timed (wall clock, device synchronized).
-Reported: tokens/s (generated tokens, each row cut after its first EOS, / summed wall time), tau (tokens a
+time is reported as ``warmup_s`` and excluded), then every batch timed (wall clock, device synchronized),
+``--repeats`` passes over all batches (default 1). Reported: tokens/s (generated tokens, each row cut after its
+first EOS, / the median pass's summed wall time; every pass under ``wall_s_repeats``), tau (tokens a
 round emits, bonus included, over all rounds of all running requests), the accept-length histogram,
 speedups against ``tc_plain`` and ``hf_compile`` at the same batch size, and how many sequences equal the
 plain greedy reference (``hf_eager`` at the same batch size, else ``tc_plain``).
@@ -50,6 +51,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 import traceback
 from pathlib import Path
@@ -188,6 +190,7 @@ class Setup:
     inductor: bool = False
     fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows; from the CLI: on for CUDA)
     lookahead: bool = True  # launch each round before reading the last one's stop flags (CUDA graphs)
+    repeats: int = 1  # timed passes over the batches per row; tokens/s from the median pass
     dtype: str | None = None  # SmolLM2's dtype: None is bfloat16 on CUDA, float32 on CPU
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
@@ -265,7 +268,8 @@ class Row:
     tree: list | None = None  # [topk, steps, num_nodes] of treecompile configurations
     prompts: int = 0
     new_tokens: int = 0
-    wall_s: float | None = None
+    wall_s: float | None = None  # the median timed pass over every batch
+    wall_s_repeats: list | None = None  # every timed pass (``--repeats``)
     tokens_per_s: float | None = None
     warmup_s: float | None = None
     tau: float | None = None
@@ -314,7 +318,7 @@ class E2EBench:
             **desc, "device": torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else str(s.device),
             "dtype": str(self.dtype).removeprefix("torch."), "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda_graphs": s.device.type == "cuda",
-            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "lookahead": s.lookahead, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
+            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "lookahead": s.lookahead, "repeats": s.repeats, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
             "max_new_tokens": s.max_new_tokens, "prompts_requested": s.prompts,
             "prompt_tokens": [len(p) for p in self.prompts], "configs": [c.name for c in s.configs],
         }  # fmt: skip
@@ -408,20 +412,27 @@ class E2EBench:
         sync(device)
         row.warmup_s = time.time() - t0
         _say(f"batch {b} {config.name}: warm-up {row.warmup_s:.1f} s")
-        outputs, alens, wall = [], [], 0.0
-        for ids, mask in batches:
-            sync(device)
-            t = time.perf_counter()
-            tokens, accept = gen(ids, mask, s.max_new_tokens)
-            sync(device)
-            wall += time.perf_counter() - t
-            outputs.extend(trim_at_eos(list(x), self.eos) for x in tokens)
-            if accept is not None:
-                alens.append(running_accept_lengths(accept).cpu())
+        walls = []
+        for repeat in range(s.repeats):  # greedy: every pass emits the same tokens; the first is kept
+            outputs, alens, wall = [], [], 0.0
+            for ids, mask in batches:
+                sync(device)
+                t = time.perf_counter()
+                tokens, accept = gen(ids, mask, s.max_new_tokens)
+                sync(device)
+                wall += time.perf_counter() - t
+                outputs.extend(trim_at_eos(list(x), self.eos) for x in tokens)
+                if accept is not None:
+                    alens.append(running_accept_lengths(accept).cpu())
+            walls.append(wall)
+            if repeat == 0:
+                first = outputs, alens
+        outputs, alens = first
         row.prompts = len(outputs)
         row.new_tokens = sum(len(x) for x in outputs)
-        row.wall_s = wall
-        row.tokens_per_s = row.new_tokens / wall if wall > 0 else None
+        row.wall_s = statistics.median(walls)
+        row.wall_s_repeats = walls
+        row.tokens_per_s = row.new_tokens / row.wall_s if row.wall_s > 0 else None
         if alens:
             alen = torch.cat(alens)
             row.rounds = int(alen.numel())
@@ -582,6 +593,8 @@ def _setup_from_args(args) -> Setup:
         raise ValueError(f"--chain-steps: expected an int in 1..63, got {args.chain_steps}")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (8 if args.smoke else 256)
     prompts = args.prompts if args.prompts is not None else (2 if args.smoke else 8)
+    if not 1 <= args.repeats <= 20:
+        raise ValueError(f"--repeats: expected an int in 1..20, got {args.repeats}")
     if max_new < 1 or prompts < 1:
         raise ValueError("--max-new-tokens and --prompts: expected positive ints")
     if args.dtype is not None and args.dtype not in DTYPES:
@@ -591,7 +604,7 @@ def _setup_from_args(args) -> Setup:
     return Setup(batch_sizes=batch_sizes, max_new_tokens=max_new, prompts=prompts,
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
                  inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device),
-                 dtype=args.dtype, lookahead=args.lookahead)  # fmt: skip
+                 dtype=args.dtype, lookahead=args.lookahead, repeats=args.repeats)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                         help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed passes over every batch per row; tokens/s from the median pass (default 1)")
     parser.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                         help="launch each CUDA-graph round before reading the previous round's stop flags (default on)")
     parser.add_argument("--dtype", default=None,
