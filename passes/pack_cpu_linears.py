@@ -1,10 +1,9 @@
-"""Run the target's float32 CPU linears on oneDNN-packed weights (:class:`treecompile.packed_linear.PackedLinear`).
+"""Run the target's float32 CPU linears on oneDNN-packed weights (:func:`treecompile.packed_linear.packed_linear`).
 
 Runs only when the binding asks for it (``TargetBinding(packed_linears=True)``; ``TreeSpeculator`` turns it
 on for float32 CPU targets) and the graph runs eagerly (Inductor does its own CPU weight prepacking). Every
-``linear(x, w, b)`` call whose weight is a float32 CPU tensor becomes ``self._treespec_packed_<i>(x, w, b)``:
-a small module holding the packed copy of ``w`` that it re-packs when the weight changes. The weight stays a
-graph input, so the user's parameters are still what the graph reads; fused projection weights (get_attr)
+``linear(x, w, b)`` call whose weight is a float32 CPU tensor becomes ``packed_linear(x, w, b)``, which runs
+on a packed copy of ``w`` that is re-packed when the weight changes. The weight stays a graph input, so the user's parameters are still what the graph reads; fused projection weights (get_attr)
 are packed the same way. Values are the same GEMM in another kernel (float32 rounding may differ in the
 last bits, as between any two GEMM libraries).
 """
@@ -16,14 +15,11 @@ import logging
 import torch
 import torch.fx
 
-from treecompile.packed_linear import PackedLinear, can_pack
+from treecompile.packed_linear import can_pack, packed_linear
 
 from .fuse_projections import _linear_args
 
 logger = logging.getLogger(__name__)
-
-_PREFIX = "_treespec_packed_"
-
 
 def _packable(gm: torch.fx.GraphModule, weight) -> bool:
     if not isinstance(weight, torch.fx.Node):
@@ -45,10 +41,8 @@ def pack_cpu_linears(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule
         x, weight, bias = args
         if not _packable(gm, weight):
             continue
-        name = f"{_PREFIX}{count}"
-        gm.add_submodule(name, PackedLinear())
         with graph.inserting_before(node):
-            packed = graph.call_module(name, (x, weight, bias))
+            packed = graph.call_function(packed_linear, (x, weight, bias))
         packed.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "nn_module_stack")})
         node.replace_all_uses_with(packed)
         graph.erase_node(node)

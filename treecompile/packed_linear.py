@@ -8,10 +8,11 @@ reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weigh
 (SmolLM2 float32, 2 threads, the model's own forward with a 200-key cache: 1 row 120 -> 96 ms, 6 rows 232 ->
 131 ms, 24 rows 274 -> 209 ms; same argmax, logits within 7e-5).
 
-:class:`PackedLinear` computes ``x @ weight.T + bias`` on a packed copy of ``weight`` that it re-packs
+:func:`packed_linear` computes ``x @ weight.T + bias`` on a packed copy of ``weight`` that is re-packed
 whenever the weight tensor it is given changes (another storage, an in-place write: the version counter),
-so a packed copy never goes stale; one copy per weight serves every compiled graph. It packs float32 CPU weights only (oneDNN has no float64 matmul) and
-runs ``F.linear`` for anything else. The copy costs the weight's memory once more.
+so a packed copy never goes stale; one copy per weight serves every compiled graph. It packs float32 CPU
+weights only (oneDNN has no float64 matmul) and runs ``F.linear`` for anything else. The copy costs the
+weight's memory once more.
 
 Used by the pass :mod:`treecompile.passes.pack_cpu_linears` (the target's linears, inside the rewritten
 graph: the user's model and HF's own ``generate`` stay untouched) and by :func:`pack_module_linears` (the
@@ -29,7 +30,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PackedLinear", "can_pack", "pack_module_linears", "packed_weight", "packing_available"]
+__all__ = ["can_pack", "is_packed", "pack_module_linears", "packed_linear", "packed_weight", "packing_available"]
 
 
 def packing_available() -> bool:
@@ -42,12 +43,12 @@ def packing_available() -> bool:
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is one :class:`PackedLinear` packs (a 2-D float32 CPU tensor)."""
+    """Whether :func:`packed_linear` packs ``weight`` (a 2-D float32 CPU tensor)."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
 
 
 # id(weight) -> (weakref to the weight, key, packed copy): one packed copy per weight, shared by every graph
-# and speculator that runs it (each compiled shape has its own PackedLinear modules), dropped with the weight.
+# and speculator that runs it, dropped with the weight.
 # Keyed by id, not by the tensor: tensor == tensor is elementwise, so tensors cannot be dict keys by value.
 _PACKED: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}
 
@@ -67,39 +68,37 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-class PackedLinear(nn.Module):
-    """``forward(x [.., in], weight [out, in], bias [out] | None) -> [.., out]`` on a packed copy of weight.
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [.., in] @ weight [out, in].T + bias [out]`` on the packed copy of weight (:func:`packed_weight`).
 
-    Holds no parameters: the weight comes in with every call and its packed copy (:func:`packed_weight`) is
-    rebuilt when that tensor changed. The check is a few host reads per call; this path never runs under
-    CUDA graphs.
+    The weight comes in with every call, so its packed copy follows it; the check is a few host reads per
+    call (this path never runs under CUDA graphs). Anything but float32 on the CPU runs ``F.linear``, and so
+    does a call traced by torch.compile (a drafter packed by an eager speculator, then traced by an Inductor
+    one): Inductor packs CPU weights itself, and the cache is host-side Python.
     """
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        # Under torch.compile (a drafter packed by an eager speculator, then traced by an Inductor one) the
-        # plain linear is traced: Inductor packs CPU weights itself, and our cache is host-side Python.
-        if torch.compiler.is_compiling() or not (
-            can_pack(weight) and x.dtype == torch.float32 and x.device.type == "cpu"
-        ):
-            return nn.functional.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")
+    if torch.compiler.is_compiling() or not (can_pack(weight) and x.dtype == torch.float32 and x.device.type == "cpu"):
+        return nn.functional.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return self._treecompile_packed(x, self.weight, self.bias)
+    return packed_linear(x, self.weight, self.bias)
+
+
+def is_packed(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` that :func:`pack_module_linears` set to run :func:`packed_linear`."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _packed_forward
 
 
 def pack_module_linears(module: nn.Module) -> int:
-    """Run every plain ``nn.Linear`` of ``module`` (not subclasses: quantised linears keep their code) on
-    a :class:`PackedLinear`; returns how many. Idempotent. Packing happens at the first call and follows
-    the weights afterwards; on another device or dtype (``module.to(...)``) the linears run ``F.linear``."""
+    """Run every plain ``nn.Linear`` of ``module`` (not subclasses: quantised linears keep their code) through
+    :func:`packed_linear`; returns how many. Idempotent. Packing happens at the first call and follows the
+    weights afterwards; on another device or dtype (``module.to(...)``) the linears run ``F.linear``."""
     count = 0
     for sub in module.modules():
         if type(sub) is not nn.Linear:
             continue
-        if not isinstance(getattr(sub, "_treecompile_packed", None), PackedLinear):
-            # object.__setattr__: a helper, not a submodule (state_dict and modules() stay as they were).
-            object.__setattr__(sub, "_treecompile_packed", PackedLinear())
+        if not is_packed(sub):
             sub.forward = types.MethodType(_packed_forward, sub)
         count += 1
     logger.info("packed_linears: %d linear(s) run on oneDNN-packed weights", count)

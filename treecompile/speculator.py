@@ -545,8 +545,8 @@ class TreeSpeculator:
         Eager rounds read ``running`` on the host after each round. Once the rounds replay as CUDA graphs
         (``lookahead``), the host launches round r + 1 before it waits for round r's ``running`` flags
         (copied to pinned memory behind round r on the stream), so the GPU never idles while the host reads
-        a flag and launches the next replays (~0.15-0.35 ms a round at SmolLM2 shapes on the H200, more than
-        10% of a round). The one round launched after the last request finished commits nothing (every
+        a flag and launches the next replays (H200, SmolLM2 shapes: tree (4, 6, 32) 2.091 -> 1.963 ms a round;
+        plain decode and tree (8, 6, 64) within 1%). The one round launched after the last request finished commits nothing (every
         request is stopped, as finished requests of a batch already are) and its all-zero counts are dropped.
         """
         accepted: list[torch.Tensor] = []

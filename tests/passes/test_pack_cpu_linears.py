@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from treecompile.drafter import EagleDrafter
-from treecompile.packed_linear import _PACKED, PackedLinear, pack_module_linears, packed_weight, packing_available
+from treecompile.packed_linear import (
+    _PACKED, is_packed, pack_module_linears, packed_linear, packed_weight, packing_available,
+)
 from treecompile.speculator import TreeSpeculator, packed_linears_default
 from treecompile.target import chain_mask
 
@@ -25,11 +27,11 @@ def test_packed_linear_equals_linear_and_follows_its_weight(shape, with_bias):
     weight = torch.randn(40, 48, generator=g)
     bias = torch.randn(40, generator=g) if with_bias else None
     x = torch.randn(*shape, generator=g)
-    op = PackedLinear()
+    op = packed_linear
     torch.testing.assert_close(op(x, weight, bias), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
     packed = packed_weight(weight)
     op(x, weight, bias)
-    assert packed_weight(weight) is packed and PackedLinear()(x, weight, bias) is not None  # one copy, shared
+    assert packed_weight(weight) is packed  # same weight: one copy, no re-pack
     with torch.no_grad():
         weight.mul_(-2.0)  # in place: the version counter moves
     torch.testing.assert_close(op(x, weight, bias), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
@@ -46,7 +48,7 @@ def test_packed_linear_equals_linear_and_follows_its_weight(shape, with_bias):
 def test_packed_linear_runs_plain_linear_for_other_dtypes():
     g = torch.Generator().manual_seed(1)
     weight, x = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
-    assert torch.equal(PackedLinear()(x, weight), torch.nn.functional.linear(x, weight))
+    assert torch.equal(packed_linear(x, weight), torch.nn.functional.linear(x, weight))
     assert id(weight) not in _PACKED
 
 
@@ -56,7 +58,7 @@ def _capture(model, **binding_kwargs):
 
 def _ops(gm):
     linears = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch._C._nn.linear]
-    packed = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), PackedLinear)]
+    packed = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is packed_linear]
     return linears, packed
 
 
@@ -120,7 +122,7 @@ def test_generate_with_packed_linears_equals_hf_greedy(family):
     assert bool((got.accept_lengths > 1).any())  # a draft was accepted: the tree path ran
     # The user's model is untouched (only the compiled graph packs); the drafter, treecompile's, is packed.
     assert all("forward" not in m.__dict__ for m in model.modules())
-    assert isinstance(drafter.lm_head._treecompile_packed, PackedLinear)
+    assert is_packed(drafter.lm_head)
 
 
 def test_default_and_refusals():
