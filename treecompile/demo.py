@@ -44,7 +44,8 @@ __all__ = [
 # threads): (4,4,12) tau 2.46 10.82 tokens/s vs HF eager 8.98 (1.20x; before the direct ops); (4,4,16) tau
 # 2.54, 11.47 vs 9.44 (1.22x) and 1.32x treecompile plain (8.71); (4,5,16) tau 2.54, 11.08 vs 9.01 (1.23x);
 # (6,5,24) tau 2.67, 9.65 vs 8.93 (1.08x, before the direct ops). Verify rows now cost little (oneDNN), the
-# draft steps and per-op overhead more: (4,4,16) is the cheapest tree with tau >= 2.5.
+# draft steps and per-op overhead more: (4,4,16) is the cheapest tree with tau >= 2.5. `treecompile demo --json
+# --treecompile-plain` later read 1.27x / 1.11x HF eager and 1.37x / 1.17x treecompile plain (baselines vary).
 CPU_TREE = (4, 4, 16)
 # H200 (12 held-out prompts, BENCHMARKS.md "End to end", the shipped head). bf16, 256 tokens, Inductor: fifth
 # session (8,6,64) 1283.9 tokens/s (tau 3.07) vs (4,6,32) 1149.3; sixth session, one run with lookahead rounds,
