@@ -30,7 +30,7 @@ max_new_tokens) stop committing; their rows keep replaying the same round harmle
 Graph safety: every tensor a round reads or writes is allocated once per ``generate`` call (per batch) and
 updated in place; rounds contain no host syncs. The loop reads one flag per round (is any request still
 running?). With ``cuda_graphs=True`` (CUDA only) the draft round and the verify round are each captured
-once per batch size after an eager warm-up round and replayed; both are idempotent over the committed
+once per batch size after an eager warm-up round and replayed, and so is a prefill chunk (``_prefill_graph``); both are idempotent over the committed
 state (they only overwrite scratch rows past ``vc``, and linear-attention state is committed outside them,
 in the eager ``_commit``), so warm-up and capture cannot corrupt a request.
 """
@@ -155,7 +155,7 @@ class TreeSpeculator:
         share one compiled graph.
     inductor : compile the rewritten target and the drafter's round hooks with Inductor (default: on CUDA
         only).
-    cuda_graphs : capture and replay the draft and verify rounds (default: on CUDA).
+    cuda_graphs : capture and replay the draft and verify rounds and the prefill chunk (default: on CUDA).
     do_sample : only greedy is supported; True is refused at startup by capability resolution.
     replay_ssm : linear-attention layers commit by replaying the accepted path's payload rows (default);
         False stages every node's recurrent state (one per-layer scratch) and commits the last accepted
@@ -277,6 +277,7 @@ class TreeSpeculator:
         self.cuda_graphs = cuda_graphs
         self.lookahead = bool(lookahead)
         self._graphs: dict[int, tuple] = {}
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[int, dict] = {}
         self._state: dict | None = None
 
@@ -440,7 +441,7 @@ class TreeSpeculator:
         if bound is None:
             bound = self._buffers[B] = self._bind_buffers(B)
         for name, t in bound.items():
-            if isinstance(t, torch.Tensor) and not name.startswith("rows_") and name != "chain_p":
+            if isinstance(t, torch.Tensor) and not name.startswith(("rows_", "chain_")):
                 t.zero_()
         bound["pend_n"].fill_(1)
         bound["accept_len"].fill_(1)
@@ -493,51 +494,103 @@ class TreeSpeculator:
             "rows_n": torch.arange(N, device=dev),
             "rows_k": torch.arange(K, device=dev),
             "chain_p": chain_mask(P, device=dev),
+            # Prefill: the chunk's first row (the host writes it before each chunk), its rows and chain mask,
+            # and the first token / last feature row collected over the chunks.
+            "pre_start": torch.zeros((), dtype=torch.int64, device=dev),
+            "rows_c": torch.arange(self.prefill_chunk, device=dev),
+            "chain_c": chain_mask(self.prefill_chunk, device=dev),
+            "pre_first": torch.zeros(B, dtype=torch.int64, device=dev),
+            "pre_feat": torch.zeros(B, feat, dtype=self.dtype, device=dev),
         }
 
     def _prefill(self, st, longest: int) -> None:
-        """Prompt as chains of ``prefill_chunk`` rows; the draft cache gets every prompt pair but the last."""
-        B, C, dev = st["B"], self.prefill_chunk, self.device
-        L = st["prompt_len"]
-        rows = torch.arange(C, device=dev)
-        chain = chain_mask(C, device=dev)
-        cap = st["history"].shape[1]
-        feat = st["pend_feat"].shape[2]
-        first = torch.zeros(B, dtype=torch.int64, device=dev)
-        last_feat = torch.zeros(B, feat, dtype=self.dtype, device=dev)
+        """Prompt as chains of ``prefill_chunk`` rows; the draft cache gets every prompt pair but the last.
+
+        With CUDA graphs a chunk is one replay of a graph captured once per batch size (``_prefill_graph``):
+        eager, a 64-row chunk of a rewritten SmolLM2-135M costs ~40 ms of host time (the attention ops' Python
+        dispatch, ~450 kernel launches) for ~1 ms of GPU work on the H200: as long as ~30 plain decode rounds
+        (``tests/gpu/request_probe.py``)."""
+        C = self.prefill_chunk
+        graph = self._prefill_graph(st) if self.cuda_graphs else None
         for start in range(0, longest, C):
-            pos = start + rows.expand(B, C)
-            valid = pos < L[:, None]
-            ids = torch.where(valid, st["history"].gather(1, pos.clamp(max=cap - 1)), 0)
-            self.binding.load(torch.minimum(L.new_full((B,), start), L), torch.where(valid, chain, 0), valid)
-            logits, aux = self.runner(ids, torch.where(valid, pos, 0))
-            # Linear-attention state takes each request's valid rows of the chunk (a chain: rows 0..n-1).
-            self.binding.commit_linear_state(rows.expand(B, C), (L - start).clamp(0, C))
-            has_last = (L - 1 >= start) & (L - 1 < start + C)
-            row = (L - 1 - start).clamp(0, C - 1)
-            last_logits = logits.gather(1, row.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
-            first = torch.where(has_last, last_logits.argmax(-1), first)  # exact as on float32 (see _verify_round)
-            row_feat = aux.gather(1, row.view(B, 1, 1).expand(B, 1, feat)).squeeze(1)
-            last_feat = torch.where(has_last[:, None], row_feat, last_feat)
-            # Draft pairs (hidden at p, token at p + 1) for p < L - 1.
-            dvalid = pos < (L - 1)[:, None]
-            dtok = torch.where(dvalid, st["history"].gather(1, (pos + 1).clamp(max=cap - 1)), 0)
-            dslots = torch.where(dvalid, self.draft_cache.slots(pos), self.draft_cache.dummy_slot)
-            self.drafter.draft_prefill(
-                self.draft_cache, aux, dtok, torch.where(dvalid, pos, 0), dslots,
-                torch.minimum(L.new_full((B,), start), L - 1), torch.where(dvalid, chain, 0),
-            )  # fmt: skip
+            st["pre_start"].fill_(start)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._prefill_chunk(st)
+        L, first = st["prompt_len"], st["pre_first"]
         st["history"].scatter_(1, L[:, None], first[:, None])
         st["vc"].copy_(L)
         st["dvc"].copy_(L - 1)
         st["root"].copy_(first)
-        st["pend_feat"][:, 0].copy_(last_feat)
+        st["pend_feat"][:, 0].copy_(st["pre_feat"])
         st["pend_tok"][:, 0].copy_(first)
         st["pend_n"].fill_(1)
         st["out"][:, 0].copy_(first)
         st["n_gen"].fill_(1)
         done = _is_eos(first, st["eos"]) | (st["n_gen"] >= st["max_new"])
         st["running"].copy_(~done)
+
+    def _prefill_chunk(self, st) -> None:
+        """The prompt rows ``[pre_start, pre_start + C)`` of every request: target forward as a chain (padded
+        rows write the dummy slot), linear-attention commit of the valid rows, the draft cache's pairs, and
+        the first token / last feature row once a request's last prompt row is in the chunk (``pre_first``
+        ``[B]``, ``pre_feat`` ``[B, feat]``). Reads only bound buffers, so one capture serves every chunk."""
+        B, C = st["B"], self.prefill_chunk
+        L, start, rows = st["prompt_len"], st["pre_start"], st["rows_c"]
+        cap = st["history"].shape[1]
+        feat = st["pend_feat"].shape[2]
+        starts = start.expand(B)
+        pos = start + rows.expand(B, C)
+        valid = pos < L[:, None]
+        ids = torch.where(valid, st["history"].gather(1, pos.clamp(max=cap - 1)), 0)
+        self.binding.load(torch.minimum(starts, L), torch.where(valid, st["chain_c"], 0), valid)
+        logits, aux = self.runner(ids, torch.where(valid, pos, 0))
+        # Linear-attention state takes each request's valid rows of the chunk (a chain: rows 0..n-1).
+        self.binding.commit_linear_state(rows.expand(B, C), (L - start).clamp(0, C))
+        has_last = (L - 1 >= start) & (L - 1 < start + C)
+        row = (L - 1 - start).clamp(0, C - 1)
+        last_logits = logits.gather(1, row.view(B, 1, 1).expand(B, 1, logits.shape[-1])).squeeze(1)
+        # exact as on float32 (see _verify_round)
+        st["pre_first"].copy_(torch.where(has_last, last_logits.argmax(-1), st["pre_first"]))
+        row_feat = aux.gather(1, row.view(B, 1, 1).expand(B, 1, feat)).squeeze(1)
+        st["pre_feat"].copy_(torch.where(has_last[:, None], row_feat, st["pre_feat"]))
+        # Draft pairs (hidden at p, token at p + 1) for p < L - 1.
+        dvalid = pos < (L - 1)[:, None]
+        dtok = torch.where(dvalid, st["history"].gather(1, (pos + 1).clamp(max=cap - 1)), 0)
+        dslots = torch.where(dvalid, self.draft_cache.slots(pos), self.draft_cache.dummy_slot)
+        self.drafter.draft_prefill(
+            self.draft_cache, aux, dtok, torch.where(dvalid, pos, 0), dslots, torch.minimum(starts, L - 1),
+            torch.where(dvalid, st["chain_c"], 0),
+        )  # fmt: skip
+
+    def _prefill_graph(self, st):
+        """The prefill chunk captured for this batch size (once; later requests replay it).
+
+        A chunk is not idempotent: it commits linear-attention state. So chunk 0 runs eagerly (compiles) and
+        once more on a side stream (as capture wants), then what those two runs committed is undone (linear
+        state and the first-token buffers zeroed, as a fresh request has them; the K/V rows they wrote are
+        rewritten identically by the replay) and the capture, which runs nothing, records the chunk."""
+        B = st["B"]
+        graph = self._prefill_graphs.get(B)
+        if graph is not None:
+            return graph
+        st["pre_start"].fill_(0)
+        self._prefill_chunk(st)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._prefill_chunk(st)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.binding.reset_linear_state()
+        st["pre_first"].zero_()
+        st["pre_feat"].zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._prefill_chunk(st)
+        self._prefill_graphs[B] = graph
+        logger.info("captured the prefill chunk (%d rows) for batch %d", self.prefill_chunk, B)
+        return graph
 
     def _run_rounds(self, st) -> list[torch.Tensor]:
         """Rounds until no request runs; returns each round's emitted counts ``[B]`` (device tensors).

@@ -161,3 +161,81 @@ def test_a_round_makes_no_host_sync():
         spec._commit(st)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _after_prefill(spec, ids, mask) -> dict:
+    _, lengths, prompts = spec._prompts(ids, mask)
+    st = spec._new_state(len(lengths), lengths, prompts, [], 32)
+    spec._prefill(st, max(lengths))
+    torch.cuda.synchronize()
+    names = ("history", "vc", "dvc", "root", "pend_feat", "pend_tok", "pend_n", "out", "n_gen", "running")
+    return {name: st[name].clone() for name in names}
+
+
+def test_captured_prefill_equals_eager_prefill():
+    """Prefill chunks replay one graph captured per batch size: prompts of 1..3 chunks (chunk 4, ragged,
+    up to 11 rows), three requests on the same graph, each leave the state an eager prefill leaves, and
+    generate gives the eager tokens (the target's and the draft cache's K/V written by the replays is what
+    the rounds then read). The capture runs chunk 0 twice before recording and undoes what it committed."""
+    model = tiny_llama()
+    drafter = EagleDrafter.for_target(model, seed=1)
+    kwargs = dict(topk=4, steps=5, num_nodes=32, max_batch_size=3, max_seq_len=256, prefill_chunk=4)
+    graphs = TreeSpeculator(model, drafter, cuda_graphs=True, **kwargs)
+    eager = TreeSpeculator(model, drafter, cuda_graphs=False, **kwargs)
+    for seed, width in ((0, 11), (1, 6), (2, 3)):
+        if width > 8:
+            ids, mask = ragged(width=width, seed=seed)  # 11, 7 and 4 rows: 3, 2 and 1 chunks
+        else:  # ragged() pads 4 and 7 rows; here 1 and 2
+            ids = torch.randint(1, 128, (3, width), generator=torch.Generator().manual_seed(seed)).cuda()
+            mask = torch.ones_like(ids)
+            mask[0, :1] = 0
+            mask[2, :2] = 0
+            ids = ids * mask
+        got, ref = _after_prefill(graphs, ids, mask), _after_prefill(eager, ids, mask)
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (seed, name)
+        out_g = graphs.generate(ids, mask, max_new_tokens=24, eos_token_id=[])
+        out_e = eager.generate(ids, mask, max_new_tokens=24, eos_token_id=[])
+        assert torch.equal(out_g.sequences, out_e.sequences), seed
+        assert torch.equal(out_g.accept_lengths, out_e.accept_lengths), seed
+    assert list(graphs._prefill_graphs) == [3]
+
+
+def test_captured_prefill_of_a_hybrid_resets_linear_state():
+    """Qwen3-Next (GDN + attention), float32: the capture's two warm-up chunks commit linear state and it
+    is undone, so a multi-chunk prefill replayed from the graph gives the eager tokens for every request."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from test_lossless_hybrid import gpu_model
+
+    model = gpu_model("qwen3_next", torch.float32)
+    drafter = EagleDrafter.for_target(model, seed=1)
+    kwargs = dict(topk=4, steps=5, num_nodes=16, max_batch_size=3, max_seq_len=256, prefill_chunk=4,
+                  inductor=False)  # fmt: skip
+    graphs = TreeSpeculator(model, drafter, cuda_graphs=True, **kwargs)
+    eager = TreeSpeculator(model, drafter, cuda_graphs=False, **kwargs)
+    for seed in (0, 1):
+        ids, mask = ragged(seed=seed)
+        got = graphs.generate(ids, mask, max_new_tokens=20, eos_token_id=[])
+        ref = eager.generate(ids, mask, max_new_tokens=20, eos_token_id=[])
+        assert torch.equal(got.sequences, ref.sequences), seed
+        assert torch.equal(got.accept_lengths, ref.accept_lengths), seed
+
+
+def test_prefill_replays_make_no_host_sync():
+    """Once captured, a request's prefill (chunk start written, graph replayed, per chunk) never syncs."""
+    model = tiny_llama(torch.bfloat16)
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=4, steps=5, num_nodes=32,
+                          max_batch_size=3, max_seq_len=256, prefill_chunk=4)  # fmt: skip
+    ids, mask = ragged()
+    spec.generate(ids, mask, max_new_tokens=4)  # captures
+    _, lengths, prompts = spec._prompts(ids, mask)
+    st = spec._new_state(len(lengths), lengths, prompts, [7], 64)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        spec._prefill(st, max(lengths))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
