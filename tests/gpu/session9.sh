@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Seventh GPU session's daemon (after tests/gpu/smol_setup.sh; follow with tests/gpu/watch.sh). Measures the
+# Seventh GPU session's daemon (after tests/gpu/smol_setup.sh; follow with tests/gpu/watch.sh; replaces the unrun session8.sh). Measures the
 # captured prefill chunk (request_probe.py found an eager SmolLM2 prefill chunk costs ~40 ms of host launches)
 # and what the sixth session left unmeasured (the one-tile split rule for few rows):
 #   1. the whole -m gpu suite (the new captured-prefill tests, the cascade with the split rule) while the float32
