@@ -89,7 +89,7 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
                 for _ in range(5):
                     graph.replay()
                 torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=70)
             tag = f"{name}_{k}_{s}_{n}_{'inductor' if inductor else 'eager'}{'_fused' if fuse else ''}"
             with open(f"{profile_dir}/{tag}.txt", "w") as f:
                 f.write(f"{tag}: 5 replays\n{table}\n")
@@ -108,7 +108,9 @@ def main() -> None:
     if "fused-only" in sys.argv[3:]:
         variants = [(True, True)]
     model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
-    drafter = EagleDrafter.for_target(model, seed=0).to("cuda", torch.bfloat16).eval()
+    # DRAFT_VOCAB=8192: the shipped SmolLM2 head's draft vocabulary (default: the target's 49152, as before).
+    vocab = int(os.environ.get("DRAFT_VOCAB", "0")) or None
+    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=vocab).to("cuda", torch.bfloat16).eval()
     results = []
     for inductor, fuse in variants:
         shapes = os.environ.get("SHAPES", "1,1,1;4,6,32")  # e.g. SHAPES="8,6,64" for one tree
