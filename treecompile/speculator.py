@@ -29,10 +29,12 @@ max_new_tokens) stop committing; their rows keep replaying the same round harmle
 
 Graph safety: every tensor a round reads or writes is allocated once per ``generate`` call (per batch) and
 updated in place; rounds contain no host syncs. The loop reads one flag per round (is any request still
-running?). With ``cuda_graphs=True`` (CUDA only) the draft round and the verify round are each captured
-once per batch size after an eager warm-up round and replayed, and so is a prefill chunk (``_prefill_graph``); both are idempotent over the committed
-state (they only overwrite scratch rows past ``vc``, and linear-attention state is committed outside them,
-in the eager ``_commit``), so warm-up and capture cannot corrupt a request.
+running?). With ``cuda_graphs=True`` (CUDA only) the draft round and the verify round (which ends with the
+commit) are each captured once per batch size after an eager warm-up round and replayed. Draft and verify
+are idempotent over the committed state (they only overwrite scratch rows past ``vc``), so the side-stream
+warm-up before the capture cannot corrupt a request; the commit is recorded, not run, by the capture. A
+prefill chunk is captured too (``_prefill_graph``); it commits linear-attention state, so its capture undoes
+what its warm-up runs committed.
 """
 
 from __future__ import annotations
@@ -601,8 +603,9 @@ class TreeSpeculator:
         (``lookahead``), the host launches round r + 1 before it waits for round r's ``running`` flags
         (copied to pinned memory behind round r on the stream), so the GPU never idles while the host reads
         a flag and launches the next replays (H200, SmolLM2 shapes: tree (4, 6, 32) 2.091 -> 1.963 ms a round;
-        plain decode and tree (8, 6, 64) within 1%). The one round launched after the last request finished commits nothing (every
-        request is stopped, as finished requests of a batch already are) and its all-zero counts are dropped.
+        plain decode and tree (8, 6, 64) within 1%). The one round launched after the last request finished
+        commits nothing (every request is stopped, as finished requests of a batch already are) and its
+        all-zero counts are dropped.
         """
         accepted: list[torch.Tensor] = []
         B = st["B"]
