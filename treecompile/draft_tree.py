@@ -116,6 +116,17 @@ def rank_order(scores: torch.Tensor) -> torch.Tensor:
     [..., C] int64: ``order[..., 0]`` is the best candidate's index.
     """
     nan = torch.isnan(scores)
+    if scores.dtype != torch.float64 and scores.shape[-1] <= 1 << 31:
+        # One sort of unique int64 keys: the float32 bits of `0 - s` (-0.0 and +0.0 become one key) mapped to
+        # their unsigned order, NaN above everything, then the candidate index: ties go to the lower index
+        # without a stable sort. (Under Inductor a sort of a few hundred candidates is one single-program
+        # kernel of ~19 us on the H200: one pass instead of two.) 16-bit scores widen to float32 exactly.
+        bits = (0.0 - scores.float()).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        ordered = torch.where(bits >= 1 << 31, (~bits) & 0xFFFFFFFF, bits | (1 << 31))
+        ordered = torch.where(nan, 0xFFFFFFFF, ordered)
+        index = torch.arange(scores.shape[-1], device=scores.device)
+        return torch.sort((ordered << 31) | index, dim=-1).indices
+    # float64 (the CPU reference path): its bits do not fit a key beside an index; two stable passes.
     # `0 - s` maps -0.0 and +0.0 to one key (a radix sort would split them); NaN's own sort position
     # differs across devices and NaN sign bits, so NaN gets a finite-free key and a second stable pass.
     key = torch.where(nan, torch.full_like(scores, float("inf")), 0.0 - scores)

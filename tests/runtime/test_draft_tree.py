@@ -349,6 +349,31 @@ def test_rank_order_ties_and_nan():
         assert rank_order(torch.cat([neg_nan, s[0, :1]]).unsqueeze(0))[0].tolist() == [1, 0]
 
 
+def _rank_order_two_pass(scores):
+    """The float64 path's definition: stable sort of -s (NaN as +inf), then a stable pass moving NaN last."""
+    nan = torch.isnan(scores)
+    key = torch.where(nan, torch.full_like(scores, float("inf")), 0.0 - scores)
+    order = torch.sort(key, dim=-1, stable=True).indices
+    return order.gather(-1, torch.sort(nan.gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rank_order_one_sort_key_equals_two_stable_passes(dtype):
+    """Fuzz: the single int64-key sort of 16/32-bit scores ranks exactly as the two stable passes, over many
+    ties, +-0, +-inf and NaN of either sign, at widths from 1 to 400 candidates."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        C = int(torch.randint(1, 401, (1,), generator=g))
+        u = torch.rand(3, C, generator=g)
+        x = torch.randint(-6, 6, (3, C), generator=g).float() / 2  # coarse values: many ties
+        x = torch.where(u < 0.4, torch.randn(3, C, generator=g) * 10, x)
+        for lo, hi, value in ((0.40, 0.45, float("nan")), (0.45, 0.48, -float("nan")), (0.48, 0.52, -float("inf")),
+                              (0.52, 0.55, float("inf")), (0.55, 0.60, -0.0), (0.60, 0.65, 0.0)):  # fmt: skip
+            x = torch.where((u >= lo) & (u < hi), value, x)
+        x = x.to(dtype)
+        assert torch.equal(rank_order(x), _rank_order_two_pass(x))
+
+
 def test_ancestor_mask_matches_build_ancestor_mask():
     op = torch.ops.treespec.build_ancestor_mask
     for K, S, N in [(2, 3, 7), (4, 6, 63), (8, 6, 64), (1, 64, 64)]:
