@@ -51,6 +51,25 @@ def dense_reference(head, hidden, tokens, positions):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64}], ids=["default", "llama3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_equals_hf_rotary_embedding_bitwise(rope, dtype):
+    """The head's elementwise frequencies give HF's cos / sin exactly (HF 5.17 forms them by a K = 1 matmul)."""
+    target = tiny_llama()
+    if rope is not None:
+        target.config.rope_parameters = dict(rope)
+    head = EagleDrafter.for_target(target, seed=1).to(dtype)
+    assert head.rotary_emb.rope_type == (rope or {"rope_type": "default"})["rope_type"]
+    positions = torch.tensor([[0, 1, 7, 63, 64, 200, 4095, 70000]])
+    x = torch.zeros(1, 8, 4, dtype=dtype)
+    cos, sin = head.rope(x, positions)
+    ref_cos, ref_sin = head.rotary_emb(x, positions)
+    assert cos.dtype == dtype and cos.shape == ref_cos.shape == (1, 8, head.midlayer.self_attn.head_dim)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
 def test_chain_forward_equals_dense_reference(head):
     """Two chunks through the paged draft cache (prefix then window) equal one dense causal pass."""
     T = 10
