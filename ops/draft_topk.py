@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["MAX_K", "draft_topk", "draft_topk_reference"]
 
 MAX_K = 16  # k rounds of block-wide reductions per program: cheap for a draft's k, not for a large k
-DEFAULT_BLOCK = 2048  # vocabulary slice per stage-1 program: 16 programs per row for a 32k vocabulary
 _PAD_INDEX = 2**31 - 1  # index of out-of-bounds lanes: loses every tie against a real (lower) index
 
 _LOGITS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -107,16 +106,23 @@ def _launch_draft_topk(
     k: int,
     logp: torch.Tensor,
     index: torch.Tensor,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Fill preallocated ``logp [R, k]`` (float32, or float64 for float64 logits) and ``index [R, k]``.
 
-    ``block``: vocabulary slice per stage-1 program (a power of two >= k). The workspaces' sizes depend
-    only on shapes, so the launcher is capturable in a CUDA graph.
+    ``block``: vocabulary slice per stage-1 program (a power of two >= k); ``num_warps`` its warps (both
+    default to :func:`slice_config`). The workspaces' sizes depend only on shapes, so the launcher is
+    capturable in a CUDA graph.
     """
     rows, vocab = logits.shape
     if rows == 0:
         return
+    if block is None:
+        block, default_warps = slice_config(rows, vocab, k)
+        num_warps = default_warps if num_warps is None else num_warps
+    elif num_warps is None:
+        num_warps = 4 if block >= 512 else 1
     if block < k or block & (block - 1):
         raise ValueError(f"block: expected a power of two >= k = {k}, got {block}")
     num_blocks = triton.cdiv(vocab, block)
@@ -139,7 +145,7 @@ def _launch_draft_topk(
         K=k,
         BLOCK=block,
         WORK_DTYPE=work_tl,
-        num_warps=4 if block >= 512 else 1,
+        num_warps=num_warps,
     )
     num_cands = num_blocks * k
     block_c = triton.next_power_of_2(num_cands)
@@ -160,6 +166,19 @@ def _launch_draft_topk(
         BLOCK_NB=triton.next_power_of_2(num_blocks),
         num_warps=4 if block_c >= 512 else 1,
     )
+
+
+def slice_config(rows: int, vocab: int, k: int) -> tuple[int, int]:
+    """(vocabulary slice per stage-1 program, its warps) from static sizes.
+
+    H200 sweep (notes/gpu-2026-12-01/topk.json, two kernels in a CUDA graph): an 8k draft vocabulary (the
+    shipped SmolLM2 head) is fastest in 256-entry slices on one warp, whose k rounds of reductions are warp
+    shuffles without block barriers (k=8: 7.5-7.9 -> 6.5 us at 1 and 8 rows; k=4, 4 rows: 5.7 -> 4.2 us); a
+    32k one in 1024-entry slices on 4 warps (k=4: 5.5 -> 4.7-5.0 us).
+    """
+    if vocab <= 16384:
+        return max(256, triton.next_power_of_2(k)), 1
+    return max(1024, triton.next_power_of_2(k)), 4
 
 
 if HAS_TRITON:
