@@ -96,14 +96,28 @@ def choose_config(
         # extra wave (N=64 at 64k: 17 splits x 16 programs = 272 > 264 two-per-SM slots took 250 us, 16 splits
         # 185 us). Window programs are one tile each and fill the gaps.
         num_splits = max(1, resident_ctas_per_sm(block_m, num_warps) * sms // (B * Hkv * nrb))
-    num_splits = max(1, min(num_splits, triton.cdiv(capacity, block_n), 128))
     # A split writes BLOCK_M x D fp32 partials. Compute-heavy rows (> 128 a KV head: verify N=64) give each
     # split >= 4 * BLOCK_M keys so that stays <= 1/4 of its K/V reads. Few rows (decode, draft lanes, N <= 32
     # verify with G <= 4) are latency-bound at short prefixes: one tile a split lets every live tile run at
     # once instead of one program walking 4 tiles in turn (H200 sweep, Hq=32 Hkv=8 D=128, per layer: P=256
     # N=1 10.2 -> 6.0-6.4 us, N=32 13.7 -> 9.7 us; P=2048 N=1 11.9 -> 9.6 us, N=32 17.4 -> 16.8 us;
     # notes/gpu-2026-11-30f/sweep_small_rows.json).
-    min_chunk = block_n if rows <= 128 else max(256, 4 * block_m)
+    # Compute-heavy rows with few programs a split (a small model's KV heads: SmolLM2's verify N=64 has 9) leave
+    # most SMs idle when a short prefix fills only 2 splits of 256 keys: 128-key chunks there (H200, Hq=9 Hkv=3
+    # D=64, capacity 1024, per layer: P=256 9.07 -> 7.78 us, P=512 9.02 -> 7.72, P=900 9.68 -> 8.34;
+    # notes/gpu-2026-12-01/cascade.json). With a quarter of the SMs' worth of 64-row blocks a split (8B: 32) 256 stays (the
+    # third session's sweep: 8B N=64 P=1k, 8 splits, 256-key chunks 19.0 us, 128-key 21.2 us).
+    if rows <= 128:
+        min_chunk = block_n
+    elif 8 * B * Hkv * triton.cdiv(rows, 64) < sms:  # 64-row blocks a split, whatever tile runs
+        min_chunk = 2 * block_n
+    else:
+        min_chunk = max(256, 4 * block_m)
+    min_chunk = override.pop("min_chunk", min_chunk)
+    # A split holds >= min_chunk keys, so at most cdiv(capacity, min_chunk) splits are ever live: more would
+    # only launch empty programs and give the merge empty states to read (SmolLM2 N=64 at P=256: 29 splits
+    # 9.9 us a layer, 16 splits 9.1 us).
+    num_splits = max(1, min(num_splits, triton.cdiv(capacity, min_chunk), 128))
     cfg = dict(
         block_m=block_m,
         block_n=block_n,

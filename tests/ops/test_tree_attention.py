@@ -438,12 +438,14 @@ def test_functional_compiles_fullgraph_without_value_checks():
 @pytest.mark.parametrize(
     "B,N,Hq,Hkv,D,capacity",
     [(1, 64, 32, 8, 128, 65600), (1, 64, 32, 8, 128, 4160), (1, 16, 32, 8, 128, 65600), (1, 1, 32, 8, 128, 65600),
-     (4, 64, 32, 8, 128, 8192), (3, 33, 28, 4, 128, 4096), (1, 64, 32, 8, 128, 300), (2, 7, 16, 2, 256, 2048)],
+     (4, 64, 32, 8, 128, 8192), (3, 33, 28, 4, 128, 4096), (1, 64, 32, 8, 128, 300), (2, 7, 16, 2, 256, 2048),
+     (1, 64, 9, 3, 64, 1024), (1, 64, 9, 3, 64, 448), (4, 64, 9, 3, 64, 1024)],
     ids=lambda x: str(x),
 )  # fmt: skip
 def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
     """The static split count keeps the prefix programs within one wave of what the SMs hold at once (a grid
-    just past it runs an almost empty extra wave) and never exceeds the tiles the capacity holds."""
+    just past it runs an almost empty extra wave) and never exceeds the splits of >= min_chunk keys the capacity
+    holds."""
     from treecompile.ops import _tree_attention_kernels as kern
 
     monkeypatch.setattr(kern, "_num_sms", lambda index: 132)
@@ -451,14 +453,21 @@ def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
     nrb = -(-N * (Hq // Hkv) // cfg.block_m)
     programs = B * Hkv * nrb * cfg.num_splits
     slots = kern.resident_ctas_per_sm(cfg.block_m, cfg.num_warps) * 132
-    assert 1 <= cfg.num_splits <= -(-capacity // cfg.block_n)
+    live = -(-capacity // cfg.min_chunk)  # splits a full cache fills
+    assert 1 <= cfg.num_splits <= live and cfg.min_chunk % cfg.block_n == 0
     assert programs <= max(slots, B * Hkv * nrb)  # one split is the minimum
-    if cfg.num_splits < -(-capacity // cfg.block_n) and B * Hkv * nrb <= slots:
+    if cfg.num_splits < live and B * Hkv * nrb <= slots:
         assert programs + B * Hkv * nrb > slots  # and the wave is as full as whole splits allow
     if (B, N, capacity) == (1, 64, 65600):  # long cache: one-warpgroup programs, two per SM
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (128, 64, 4, 16)  # 256 of 264 slots
     if (B, N, capacity) == (1, 64, 4160):  # short cache: 64 x 64 one-warpgroup programs, two per SM
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (64, 64, 4, 8)  # 256 of 264 slots
+    if (B, Hkv) == (1, 8) and N == 64:  # 32 64-row blocks a split: >= 256-key chunks, as before
+        assert cfg.min_chunk == max(256, 4 * cfg.block_m)
+    if (B, Hkv, N) == (1, 3, 64):  # SmolLM2's verify: 9 programs a split, 128-key chunks, 8 (or 4) splits
+        assert cfg.min_chunk == 128 and cfg.num_splits == -(-capacity // 128)
+    if (B, Hkv, N) == (4, 3, 64):  # four requests: 36 programs a split
+        assert cfg.min_chunk == 256
 
 
 @pytest.mark.parametrize("B,ordered", [(1, True), (1, False), (2, False)])
