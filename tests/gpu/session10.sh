@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Eighth GPU session's daemon (after tests/gpu/smol_setup.sh; follow with tests/gpu/watch.sh). Measures this
+# Eighth GPU session's daemon (after tests/gpu/smol_setup.sh; follow with tests/gpu/watch.sh; replaces the seventh session's session9.sh). Measures this
 # session's round changes (rank_order one sort, the drafter's elementwise rope, 256-entry top-k slices, 128-key
 # verify chunks for small models, vocab_argmax) end to end:
 #   1. the whole -m gpu suite while the float32 e2e checks every treecompile row against HF greedy on SmolLM2;
