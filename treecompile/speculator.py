@@ -107,6 +107,13 @@ def _is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     return (tokens[..., None] == eos).any(-1)
 
 
+def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [..., V]`` -> ``argmax [...]``: torch.argmax's index, on CUDA in two small kernels
+    (``treespec::vocab_argmax``, ~3-5 us where torch's reduction took ~12 us on the H200)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return torch.ops.treespec.vocab_argmax(flat).view(logits.shape[:-1])
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -783,10 +790,3 @@ class TreeSpeculator:
             self._commit(st)
         self._graphs[B] = (draft_graph, verify_graph)
         logger.info("captured the draft and verify (+ commit) rounds for batch %d", B)
-
-
-def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """``logits [..., V]`` -> ``argmax [...]``: torch.argmax's index, on CUDA in two small kernels
-    (``treespec::vocab_argmax``, ~3-5 us where torch's reduction took ~12 us on the H200)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    return torch.ops.treespec.vocab_argmax(flat).view(logits.shape[:-1])
