@@ -74,9 +74,19 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     The weight comes in with every call, so its packed copy follows it; the check is a few host reads per
     call (this path never runs under CUDA graphs). Anything but float32 on the CPU runs ``F.linear``, and so
     does a call traced by torch.compile (a drafter packed by an eager speculator, then traced by an Inductor
-    one): Inductor packs CPU weights itself, and the cache is host-side Python.
+    one): Inductor packs CPU weights itself, and the cache is host-side Python. So does a call that autograd
+    records (grad mode on and an input or parameter requiring grad, e.g. training a head a speculator packed):
+    ``_linear_pointwise`` has no backward, so gradients would silently not flow, and it ran ~100x slower on
+    inputs that require grad (a [1, 576] x [8192, 576] call: ~110 ms against ~1 ms).
     """
-    if torch.compiler.is_compiling() or not (can_pack(weight) and x.dtype == torch.float32 and x.device.type == "cpu"):
+    records_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if (
+        records_grad
+        or torch.compiler.is_compiling()
+        or not (can_pack(weight) and x.dtype == torch.float32 and x.device.type == "cpu")
+    ):
         return nn.functional.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), bias, "none", [], "")
 

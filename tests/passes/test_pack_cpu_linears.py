@@ -52,6 +52,24 @@ def test_packed_linear_runs_plain_linear_for_other_dtypes():
     assert id(weight) not in _PACKED
 
 
+def test_packed_linears_under_autograd_run_plain_linear_and_give_gradients():
+    """A packed head trained later (grad mode, parameters requiring grad): gradients equal an unpacked copy's
+    (oneDNN's _linear_pointwise has no backward: packed, they would silently be None)."""
+    g = torch.Generator().manual_seed(2)
+    head = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5, bias=False))
+    plain = copy.deepcopy(head)
+    assert pack_module_linears(head) == 2
+    x = torch.randn(3, 12, generator=g)
+    head(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for (name, p), q in zip(head.named_parameters(), plain.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # inference keeps the packed path
+        head(x)
+    assert id(head[0].weight) in _PACKED
+
+
 def _capture(model, **binding_kwargs):
     return rewrite_and_capture(model, **binding_kwargs)
 
