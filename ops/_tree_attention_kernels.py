@@ -102,11 +102,11 @@ def choose_config(
     # once instead of one program walking 4 tiles in turn (H200 sweep, Hq=32 Hkv=8 D=128, per layer: P=256
     # N=1 10.2 -> 6.0-6.4 us, N=32 13.7 -> 9.7 us; P=2048 N=1 11.9 -> 9.6 us, N=32 17.4 -> 16.8 us;
     # notes/gpu-2026-11-30f/sweep_small_rows.json).
-    # Compute-heavy rows with few programs a split (a small model's KV heads: SmolLM2's verify N=64 has 9) leave
-    # most SMs idle when a short prefix fills only 2 splits of 256 keys: 128-key chunks there (H200, Hq=9 Hkv=3
-    # D=64, capacity 1024, per layer: P=256 9.07 -> 7.78 us, P=512 9.02 -> 7.72, P=900 9.68 -> 8.34;
-    # notes/gpu-2026-12-01/cascade.json). With a quarter of the SMs' worth of 64-row blocks a split (8B: 32) 256 stays (the
-    # third session's sweep: 8B N=64 P=1k, 8 splits, 256-key chunks 19.0 us, 128-key 21.2 us).
+    # Compute-heavy rows with few 64-row blocks a split (a small model's KV heads: SmolLM2's verify N=64 has 9)
+    # leave most SMs idle when a short prefix fills only 2 splits of 256 keys: 128-key chunks there (H200, Hq=9
+    # Hkv=3 D=64, capacity 1024, per layer: P=256 9.07 -> 7.78 us, P=512 9.02 -> 7.72, P=900 9.68 -> 8.34;
+    # notes/gpu-2026-12-01/call1/cascade.json). With a quarter of the SMs' worth a split (8B: 32) 256 stays
+    # (third session's sweep: 8B N=64 P=1k, 8 splits, 256-key chunks 19.0 us, 128-key 21.2 us).
     if rows <= 128:
         min_chunk = block_n
     elif 8 * B * Hkv * triton.cdiv(rows, 64) < sms:  # 64-row blocks a split, whatever tile runs

@@ -171,7 +171,7 @@ def _launch_draft_topk(
 def slice_config(rows: int, vocab: int, k: int) -> tuple[int, int]:
     """(vocabulary slice per stage-1 program, its warps) from static sizes.
 
-    H200 sweep (notes/gpu-2026-12-01/topk.json, two kernels in a CUDA graph): an 8k draft vocabulary (the
+    H200 sweep (notes/gpu-2026-12-01/call1/topk.json, two kernels in a CUDA graph): an 8k draft vocabulary (the
     shipped SmolLM2 head) is fastest in 256-entry slices on one warp, whose k rounds of reductions are warp
     shuffles without block barriers (k=8: 7.5-7.9 -> 6.5 us at 1 and 8 rows; k=4, 4 rows: 5.7 -> 4.2 us); a
     32k one in 1024-entry slices on 4 warps (k=4: 5.5 -> 4.7-5.0 us).

@@ -4,7 +4,7 @@ Why it exists: every verify and decode round takes the argmax of the target's lo
 vocabulary. ``torch.argmax`` runs it as one reduction kernel that took ~12 us on the H200 for 1 or 64 rows
 of SmolLM2's 49152 entries (18 us for 256 rows), 1-2% of a SmolLM2 round. Splitting each row into slices
 (one program per (row, slice)) and merging the slices' winners in a second tiny kernel took 3.3 / 4.9 /
-10.1 us for the same 1 / 64 / 256 rows (notes/gpu-2026-12-01/argmax.json). The split is the same
+10.1 us for the same 1 / 64 / 256 rows (notes/gpu-2026-12-01/call1/argmax.json). The split is the same
 two-stage pattern as ``draft_topk``.
 
 Shapes

@@ -4,8 +4,9 @@ Runs only when the binding asks for it (``TargetBinding(packed_linears=True)``; 
 on for float32 CPU targets) and the graph runs eagerly (Inductor does its own CPU weight prepacking). Every
 ``linear(x, w, b)`` call whose weight is a float32 CPU tensor becomes ``packed_linear(x, w, b)``, which runs
 on a packed copy of ``w`` that is re-packed when the weight changes. The weight stays a graph input, so the
-user's parameters are still what the graph reads; fused projection weights (get_attr) are packed the same way. Values are the same GEMM in another kernel (float32 rounding may differ in the
-last bits, as between any two GEMM libraries).
+user's parameters are still what the graph reads; fused projection weights (get_attr) are packed the same
+way. Values are the same GEMM in another kernel (float32 rounding may differ in the last bits, as between any
+two GEMM libraries).
 """
 
 from __future__ import annotations

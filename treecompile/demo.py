@@ -51,7 +51,8 @@ CPU_TREE = (4, 4, 16)
 # session (8,6,64) 1283.9 tokens/s (tau 3.07) vs (4,6,32) 1149.3; sixth session, one run with lookahead rounds,
 # (4,6,32) 1256.9 vs (8,6,64) 1153.9. float32 (the demo's default dtype), 128 tokens, sixth session: (4,6,32)
 # 367.1 vs (8,6,64) 271.7 (a 64-row float32 verify is compute-bound without bf16 tensor cores). Seventh session
-# (prefill captured), bf16: (8,6,64) 1638.3 vs (4,6,32) 1521.6; (4,6,32) stays, the demo's dtype being float32.
+# (prefill captured), bf16: (8,6,64) 1638.3 vs (4,6,32) 1521.6; eighth session 1676.6 vs 1523.2. (4,6,32)
+# stays, the demo's dtype being float32.
 CUDA_TREE = (4, 6, 32)
 PAGE_SIZE = 64
 PREFILL_CHUNK = 64  # the most rows one forward takes (MAX_NODES)

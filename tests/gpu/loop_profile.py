@@ -27,6 +27,28 @@ SMOLLM2 = dict(
 )  # fmt: skip
 
 
+def smollm2_target_and_head(draft_vocab: int | None = 8192):
+    """A random-weight SmolLM2-135M-shaped target and EAGLE-3 head on CUDA in bf16 (timing only).
+    ``draft_vocab``: the head's vocabulary (8192: the shipped head's; None: the target's 49152)."""
+    model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
+    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=draft_vocab).to("cuda", torch.bfloat16).eval()
+    return model, drafter
+
+
+def run_shapes(path: str, shapes, measure) -> list:
+    """``measure(shape)`` under no_grad for each tree shape; each result printed as a JSON line and the list
+    rewritten to ``path`` as it grows (a killed run keeps what it measured)."""
+    results = []
+    for shape in shapes:
+        with torch.no_grad():
+            r = measure(shape)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
 def gpu_ms(fn, reps: int) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     fn()
@@ -107,10 +129,8 @@ def main() -> None:
     variants = [(True, False), (True, True)] if "fuse" in sys.argv[3:] else [(False, False), (True, False)]
     if "fused-only" in sys.argv[3:]:
         variants = [(True, True)]
-    model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
     # DRAFT_VOCAB=8192: the shipped SmolLM2 head's draft vocabulary (default: the target's 49152, as before).
-    vocab = int(os.environ.get("DRAFT_VOCAB", "0")) or None
-    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=vocab).to("cuda", torch.bfloat16).eval()
+    model, drafter = smollm2_target_and_head(int(os.environ.get("DRAFT_VOCAB", "0")) or None)
     results = []
     for inductor, fuse in variants:
         shapes = os.environ.get("SHAPES", "1,1,1;4,6,32")  # e.g. SHAPES="8,6,64" for one tree

@@ -9,18 +9,15 @@ rounds: the fixed cost alone) per prompt length, then its phases (``_new_state``
     python3 tests/gpu/request_probe.py out.json [PROFILE_DIR]
 """
 
-import json
 import sys
 import time
 
 import torch
 
-from treecompile.bench.rounds import build_target
-from treecompile.drafter import EagleDrafter
 from treecompile.speculator import TreeSpeculator
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from loop_profile import SMOLLM2  # noqa: E402
+from loop_profile import run_shapes, smollm2_target_and_head  # noqa: E402
 
 LENGTHS = [36, 43, 63, 42, 94, 37, 45, 64, 41, 98, 38, 43]  # the 12 held-out prompts' token counts
 
@@ -88,16 +85,8 @@ def probe(model, drafter, shape, profile_dir):
 def main():
     path = sys.argv[1]
     profile_dir = sys.argv[2] if len(sys.argv) > 2 else None
-    model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
-    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=8192).to("cuda", torch.bfloat16).eval()
-    results = []
-    for shape in ((1, 1, 1), (4, 6, 32)):
-        with torch.no_grad():
-            r = probe(model, drafter, shape, profile_dir)
-        print(json.dumps(r), flush=True)
-        results.append(r)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+    model, drafter = smollm2_target_and_head()
+    run_shapes(path, ((1, 1, 1), (4, 6, 32)), lambda shape: probe(model, drafter, shape, profile_dir))
 
 
 if __name__ == "__main__":

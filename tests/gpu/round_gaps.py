@@ -10,18 +10,15 @@ final context.
     python3 tests/gpu/round_gaps.py out.json [prompt_len] [new_tokens]
 """
 
-import json
 import statistics
 import sys
 
 import torch
 
-from treecompile.bench.rounds import build_target
-from treecompile.drafter import EagleDrafter
 from treecompile.speculator import TreeSpeculator
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from loop_profile import SMOLLM2, gpu_ms  # noqa: E402
+from loop_profile import gpu_ms, run_shapes, smollm2_target_and_head  # noqa: E402
 
 
 def measure(model, drafter, shape, prompt_len: int, new_tokens: int) -> dict:
@@ -77,16 +74,8 @@ def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "round_gaps.json"
     prompt_len = int(sys.argv[2]) if len(sys.argv) > 2 else 60
     new_tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 256
-    model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
-    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=8192).to("cuda", torch.bfloat16).eval()
-    results = []
-    for shape in ((8, 6, 64), (1, 1, 1)):
-        with torch.no_grad():
-            r = measure(model, drafter, shape, prompt_len, new_tokens)
-        print(json.dumps(r), flush=True)
-        results.append(r)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
+    model, drafter = smollm2_target_and_head()
+    run_shapes(path, ((8, 6, 64), (1, 1, 1)), lambda shape: measure(model, drafter, shape, prompt_len, new_tokens))
 
 
 if __name__ == "__main__":

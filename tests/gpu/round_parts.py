@@ -236,12 +236,11 @@ def rank_order_two_pass(scores):
 def part_ab(topk_best=None):
     import treecompile.draft_tree as DT
     import treecompile.ops.draft_topk as TK
-    from treecompile.bench.rounds import build_target
     from treecompile.drafter import EagleDrafter
     from treecompile.speculator import TreeSpeculator
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from loop_profile import SMOLLM2, gpu_ms
+    from loop_profile import gpu_ms, smollm2_target_and_head
 
     one_sort, new_rope, new_slice = DT.rank_order, EagleDrafter.rope, TK.slice_config
     hf_rope = lambda self, x, p: self.rotary_emb(x, p)  # noqa: E731
@@ -252,8 +251,7 @@ def part_ab(topk_best=None):
     ]
     if topk_best:
         variants.append(("one_sort+rope+topk", one_sort, new_rope, lambda r, v, k: topk_best.get((r, v), new_slice(r, v, k))))
-    model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
-    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=8192).to("cuda", torch.bfloat16).eval()
+    model, drafter = smollm2_target_and_head()
     ids = torch.randint(1, 49152, (1, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     res = []
     for name, rank, rope, slice_cfg in variants:
@@ -341,12 +339,11 @@ def part_ab2():
     import treecompile.ops._tree_attention_kernels as KERN
     import treecompile.ops.draft_topk as TK
     import treecompile.speculator as SP
-    from treecompile.bench.rounds import build_target
     from treecompile.drafter import EagleDrafter
     from treecompile.speculator import TreeSpeculator
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from loop_profile import SMOLLM2, gpu_ms
+    from loop_profile import gpu_ms, smollm2_target_and_head
 
     new = dict(rank=DT.rank_order, rope=EagleDrafter.rope, slice=TK.slice_config, choose=KERN.choose_config,
                greedy=SP._greedy_tokens)  # fmt: skip
@@ -358,8 +355,7 @@ def part_ab2():
         DT.rank_order, EagleDrafter.rope, TK.slice_config = v["rank"], v["rope"], v["slice"]
         KERN.choose_config, SP._greedy_tokens = v["choose"], v["greedy"]
 
-    model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
-    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=8192).to("cuda", torch.bfloat16).eval()
+    model, drafter = smollm2_target_and_head()
     res = []
     for prompt in (200,):
         ids = torch.randint(1, 49152, (1, prompt), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
