@@ -537,13 +537,11 @@ def part_ab3():
     """main against the two branches, alone and together: (8, 6, 64) draft / verify graphs, plain verify."""
     import treecompile.draft_tree as DT
     import treecompile.passes as PS
-    from treecompile.bench.rounds import build_target
-    from treecompile.drafter import EagleDrafter
     from treecompile.passes import outer_products
     from treecompile.speculator import TreeSpeculator
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from loop_profile import SMOLLM2, gpu_ms
+    from loop_profile import gpu_ms, smollm2_target_and_head
 
     new_draft, new_select = TreeSpeculator._draft_round, DT._select_core
 
@@ -555,8 +553,7 @@ def part_ab3():
         TreeSpeculator._draft_round = new_draft if glue else draft_round_main
         DT._select_core = new_select if glue else select_core_main
 
-    model = build_target(dict(SMOLLM2), torch.device("cuda"), torch.bfloat16)
-    drafter = EagleDrafter.for_target(model, seed=0, draft_vocab_size=8192).to("cuda", torch.bfloat16).eval()
+    model, drafter = smollm2_target_and_head()
     ids = torch.randint(1, 49152, (1, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     res = []
     runs = [((8, 6, 64), r, g) for r, g in ((0, 0), (1, 1), (1, 0), (0, 1), (0, 0), (1, 1))]
