@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import types
 
 import torch
 from torch import nn
@@ -67,6 +68,13 @@ class DraftContext:
     step: int = 0
 
 
+def _rows_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` through ``linear_rows`` (installed by :meth:`EagleDrafter.skinny_linears`)."""
+    from treecompile.ops.skinny_linear import linear_rows
+
+    return linear_rows(x, self.weight, self.bias)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -90,12 +98,13 @@ class EagleAttention(nn.Module):
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.qkv_weight: torch.Tensor | None = None  # set by EagleDrafter.fuse_projections (not a parameter)
+        self.linear = nn.functional.linear  # the fused GEMM's function (EagleDrafter.skinny_linears swaps it)
 
     def forward(self, x, cos, sin, cache, slots, prefix_len, ancestor_mask, window):
         B, T, _ = x.shape
         if self.qkv_weight is not None:  # one GEMM over the q/k/v rows the three parameters view
             sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
-            q, k, v = nn.functional.linear(x, self.qkv_weight).split(sizes, dim=-1)
+            q, k, v = self.linear(x, self.qkv_weight).split(sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, self.num_heads, self.head_dim)
@@ -121,10 +130,11 @@ class EagleMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
         self.gate_up_weight: torch.Tensor | None = None  # set by EagleDrafter.fuse_projections
+        self.linear = nn.functional.linear  # the fused GEMM's function (EagleDrafter.skinny_linears swaps it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = nn.functional.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            gate, up = self.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act_fn(gate) * up)
@@ -339,6 +349,21 @@ class EagleDrafter(nn.Module):
         from treecompile.packed_linear import pack_module_linears
 
         pack_module_linears(self)
+
+    def skinny_linears(self) -> None:
+        """Run the head's GEMMs (its ``nn.Linear`` modules and the fused q/k/v and gate/up weights) through
+        :func:`treecompile.ops.skinny_linear.linear_rows`: Triton tiles for 16-bit CUDA inputs of <= 64 rows
+        (a draft step's K lanes), ``F.linear`` otherwise. Idempotent."""
+        from treecompile.ops.skinny_linear import linear_rows
+
+        self.midlayer.self_attn.linear = linear_rows
+        self.midlayer.mlp.linear = linear_rows
+        count = 0
+        for sub in self.modules():
+            if type(sub) is nn.Linear:
+                sub.forward = types.MethodType(_rows_forward, sub)
+                count += 1
+        logger.info("skinny_linears: the head's %d linear(s) and fused projections run linear_rows", count)
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .half() give every parameter new storage: the fused views would be stale, so drop them.

@@ -125,6 +125,19 @@ def fuse_projections_default(fuse_projections: bool | None, device: torch.device
     return device.type == "cuda" if fuse_projections is None else bool(fuse_projections)
 
 
+def skinny_linears_default(skinny_linears: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """``TreeSpeculator(skinny_linears=None)``: off until the H200 sweep (``tests/gpu/skinny_sweep.py``) and a
+    round A/B show the Triton tiles beat cuBLAS. True needs a 16-bit CUDA model (float32 keeps cuBLAS, see
+    :mod:`treecompile.passes.skinny_linears`)."""
+    if not skinny_linears:
+        return False
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"skinny_linears: runs 16-bit CUDA linears only (model: {dtype} on {device.type}); leave it unset or False"
+        )
+    return True
+
+
 def packed_linears_default(
     packed_linears: bool | None, device: torch.device, dtype: torch.dtype, inductor: bool = False
 ) -> bool:
@@ -189,6 +202,9 @@ class TreeSpeculator:
         own ``generate`` are untouched). Default: on for float32 CPU models without Inductor (small-row GEMMs
         are where MKL is slow on the CPU; costs the weights' memory once more), off otherwise; True elsewhere
         is refused.
+    skinny_linears : run the target's and the drafter's 16-bit CUDA linears of <= 64 rows (decode, verify
+        trees, draft lanes) through ``treespec::skinny_linear``, Triton tiles instead of cuBLAS. Default off
+        (not yet measured against cuBLAS in a round); True on a CPU or float32 model is refused.
     lookahead : with CUDA graphs, launch each round before reading the previous round's stop flags, so the
         GPU does not wait for the host between rounds (one extra round, which commits nothing, runs after
         the last request stops). False reads the flags after every round (for A/B timing).
@@ -215,6 +231,7 @@ class TreeSpeculator:
         mamba2_chunked: bool | None = None,
         fuse_projections: bool | None = None,
         packed_linears: bool | None = None,
+        skinny_linears: bool | None = None,
         lookahead: bool = True,
     ) -> None:
         topk = _positive_int("topk", topk)
@@ -262,6 +279,7 @@ class TreeSpeculator:
         self.model, self.drafter = model, drafter
         self.fuse_projections = fuse_projections_default(fuse_projections, self.device)
         self.packed_linears = packed_linears_default(packed_linears, self.device, self.dtype, inductor=inductor is True)
+        self.skinny_linears = skinny_linears_default(skinny_linears, self.device, self.dtype)
         self.vocab_size = int(config.vocab_size)
         # Rows per forward. Linear-attention pools (payload rows, conv inputs, the GDN workspace: a state per
         # row) are sized by it, so hybrids bind only the rows they run; attention metadata is small.
@@ -271,11 +289,14 @@ class TreeSpeculator:
             layers=resolved.target_layers, linear_layers=resolved.linear_layers, replay_ssm=replay_ssm,
             state_dtype=ssm_state_dtype, gdn_chunked=gdn_chunked, mamba2_chunked=mamba2_chunked,
             fuse_projections=self.fuse_projections, packed_linears=self.packed_linears,
+            skinny_linears=self.skinny_linears,
         )  # fmt: skip
         if self.fuse_projections and hasattr(drafter, "fuse_projections"):
             drafter.fuse_projections()
         if self.packed_linears and hasattr(drafter, "pack_linears"):
             drafter.pack_linears()
+        if self.skinny_linears and hasattr(drafter, "skinny_linears"):
+            drafter.skinny_linears()
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too

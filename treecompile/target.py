@@ -124,6 +124,9 @@ class TargetBinding:
     packed_linears : let the pass run the graph's float32 CPU linears on oneDNN-packed weights
         (:mod:`treecompile.packed_linear`; eager graphs only). Off here; ``TreeSpeculator`` turns it on for
         float32 CPU models.
+    skinny_linears : let the pass run the graph's 16-bit CUDA linears of <= 64 rows through
+        ``treespec::skinny_linear`` (Triton tiles; :mod:`treecompile.passes.skinny_linears`). Off here;
+        ``TreeSpeculator(skinny_linears=True)`` turns it on.
 
     Attributes
     ----------
@@ -158,6 +161,7 @@ class TargetBinding:
         mamba2_chunked: bool | None = None,
         fuse_projections: bool = False,
         packed_linears: bool = False,
+        skinny_linears: bool = False,
     ) -> None:
         if not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_NODES:
             raise ValueError(f"max_rows: must be an int in 1..{MAX_NODES}, got {max_rows!r}")
@@ -206,6 +210,7 @@ class TargetBinding:
 
             self.projection_groups = fuse_projection_weights(model)
         self.packed_linears = bool(packed_linears)
+        self.skinny_linears = bool(skinny_linears)
         self.calls = 0
 
     def check_projections(self) -> None:

@@ -4,7 +4,8 @@
 
 parts (default all): ``topk`` (draft_topk slice sweep), ``argmax`` (torch.argmax vs a two-stage Triton argmax
 prototype), ``cascade`` (MIN_CHUNK at SmolLM2 head shapes), ``ab`` (draft / verify graph times with each change
-toggled by a monkeypatch, kernel tables, the Inductor sources of the verify's rope kernels).
+toggled by a monkeypatch, kernel tables, the Inductor sources of the verify's rope kernels); ``ab2`` / ``ab3``
+(the eighth / ninth sessions' A/Bs); ``ab4`` (``skinny_linears`` off / on).
 Every part writes ``OUT_DIR/<part>.json`` as it goes.
 """
 
@@ -604,6 +605,64 @@ def part_ab3():
     dump("ab3", res)
 
 
+def part_ab4():
+    """skinny_linears off / on, alternating in one process: (8, 6, 64) draft and verify graphs, plain decode
+    (1, 1, 1), kernel tables of the skinny variant, and how many generated tokens agree (bf16: two GEMM
+    kernels round differently, so agreement, not identity)."""
+    from treecompile.speculator import TreeSpeculator
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from loop_profile import gpu_ms, smollm2_target_and_head
+
+    res = []
+    ids = torch.randint(1, 49152, (1, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    runs = [((8, 6, 64), s) for s in (0, 1, 0, 1)] + [((1, 1, 1), s) for s in (0, 1, 0, 1)]
+    for shape, skinny in runs:
+        model, drafter = smollm2_target_and_head()  # fresh: skinny_linears swaps the head's linears in place
+        spec = None
+        try:
+            with torch.no_grad():
+                torch._dynamo.reset()
+                spec = TreeSpeculator(model, drafter, topk=shape[0], steps=shape[1], num_nodes=shape[2],
+                                      max_batch_size=1, max_seq_len=512, prefill_chunk=64, inductor=True,
+                                      fuse_projections=True, skinny_linears=bool(skinny))  # fmt: skip
+                out = spec.generate(ids, max_new_tokens=48, eos_token_id=[])
+                st = spec._new_state(1, [200], [ids[0].tolist()], [], 10_000)
+                spec._prefill(st, 200)
+                for _ in range(3):
+                    spec._round(st)
+                draft, verify = spec._graphs[1]
+                r = dict(skinny=skinny, shape=shape, tokens=out.sequences[0, 200:].tolist(),
+                         draft_ms=gpu_ms(draft.replay, 100) if shape[2] > 1 else 0.0, verify_ms=gpu_ms(verify.replay, 100))
+                tag = f"{'skinny' if skinny else 'cublas'}_{shape[2]}"
+                if not os.path.exists(f"{OUT}/verify_{tag}.txt"):
+                    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+                    for gname, graph in (("draft", draft), ("verify", verify)):
+                        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            for _ in range(5):
+                                graph.replay()
+                            torch.cuda.synchronize()
+                        with open(f"{OUT}/{gname}_{tag}.txt", "w") as f:
+                            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70,
+                                                              max_name_column_width=90))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            r = dict(skinny=skinny, shape=shape, error=repr(exc))
+        print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
+        res.append(r)
+        dump("ab4", res)
+        del spec, model, drafter
+        torch.cuda.empty_cache()
+    for shape in ((8, 6, 64), (1, 1, 1)):
+        toks = {r["skinny"]: r["tokens"] for r in res if tuple(r["shape"]) == shape and "tokens" in r}
+        if len(toks) == 2:
+            same = sum(a == b for a, b in zip(toks[0], toks[1]))
+            res.append(dict(shape=shape, tokens_equal=f"{same}/{len(toks[0])}"))
+            print(f"{shape}: tokens equal skinny vs cuBLAS {same}/{len(toks[0])}", flush=True)
+    dump("ab4", res)
+
+
 def main():
     topk_best = None
     for part in PARTS:
@@ -626,6 +685,8 @@ def main():
                 part_ab2()
             elif part == "ab3":
                 part_ab3()
+            elif part == "ab4":
+                part_ab4()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         print(f"== part {part} done in {time.time() - t0:.0f} s", flush=True)

@@ -189,6 +189,7 @@ class Setup:
     head: str | None = None
     inductor: bool = False
     fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows; from the CLI: on for CUDA)
+    skinny_linears: bool = False  # few-row 16-bit CUDA GEMMs on treespec::skinny_linear (treecompile rows)
     lookahead: bool = True  # launch each round before reading the last one's stop flags (CUDA graphs)
     repeats: int = 1  # timed passes over the batches per row; tokens/s from the median pass
     dtype: str | None = None  # SmolLM2's dtype: None is bfloat16 on CUDA, float32 on CPU
@@ -318,7 +319,7 @@ class E2EBench:
             **desc, "device": torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else str(s.device),
             "dtype": str(self.dtype).removeprefix("torch."), "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda_graphs": s.device.type == "cuda",
-            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "lookahead": s.lookahead, "repeats": s.repeats, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
+            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "skinny_linears": s.skinny_linears, "lookahead": s.lookahead, "repeats": s.repeats, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
             "max_new_tokens": s.max_new_tokens, "prompts_requested": s.prompts,
             "prompt_tokens": [len(p) for p in self.prompts], "configs": [c.name for c in s.configs],
         }  # fmt: skip
@@ -342,6 +343,7 @@ class E2EBench:
                                   page_size=PAGE_SIZE, prefill_chunk=PREFILL_CHUNK,
                                   inductor=self.setup.inductor,
                                   fuse_projections=self.setup.fuse_projections,
+                                  skinny_linears=self.setup.skinny_linears,
                                   lookahead=self.setup.lookahead)  # fmt: skip
             if self._shared is None:
                 self._shared = (spec.binding, spec.runner)
@@ -604,7 +606,8 @@ def _setup_from_args(args) -> Setup:
     return Setup(batch_sizes=batch_sizes, max_new_tokens=max_new, prompts=prompts,
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
                  inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device),
-                 dtype=args.dtype, lookahead=args.lookahead, repeats=args.repeats)  # fmt: skip
+                 dtype=args.dtype, lookahead=args.lookahead, repeats=args.repeats,
+                 skinny_linears=bool(args.skinny_linears))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -626,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                         help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
+    parser.add_argument("--skinny-linears", action=argparse.BooleanOptionalAction, default=False,
+                        help="run the treecompile rows' few-row bf16/fp16 GEMMs on treespec::skinny_linear (Triton) "
+                             "instead of cuBLAS (default off)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed passes over every batch per row; tokens/s from the median pass (default 1)")
     parser.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,

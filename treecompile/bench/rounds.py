@@ -87,6 +87,7 @@ class Setup:
     inductor: bool = False  # compile the rewritten target with Inductor (fused norms / rope / MLP glue)
     profile_dir: str | None = None  # write a kernel-time table per treecompile variant here
     fuse_projections: bool | None = None  # q/k/v and gate/up as one linear each (None: TreeSpeculator default)
+    skinny_linears: bool = False  # few-row GEMMs on treespec::skinny_linear (Triton) instead of cuBLAS
 
     @property
     def graphs(self) -> bool:
@@ -384,7 +385,7 @@ class RoundsBench:
         spec = TreeSpeculator(
             self.model, self.drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=1,
             max_seq_len=self.max_seq_len, prefill_chunk=PREFILL_CHUNK, inductor=s.inductor, cuda_graphs=False,
-            fuse_projections=s.fuse_projections,
+            fuse_projections=s.fuse_projections, skinny_linears=s.skinny_linears,
         )  # fmt: skip
         if self._shared is None:
             self._shared = (spec.binding, spec.runner)
@@ -650,6 +651,7 @@ def _setup_from_args(args) -> Setup:
         device=torch.device("cuda"), dtype=torch.bfloat16, target=dict(TARGET_8B), ctx=args.ctx or 2048,
         nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20, inductor=args.inductor,
         profile_dir=args.profile, fuse_projections=fuse_projections_default(args.fuse_projections, torch.device("cuda")),
+        skinny_linears=bool(args.skinny_linears),
     )  # fmt: skip
 
 
@@ -674,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write a kernel-time table (torch.profiler) per variant into DIR")
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                         help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
+    parser.add_argument("--skinny-linears", action=argparse.BooleanOptionalAction, default=False,
+                        help="run treecompile's few-row bf16 GEMMs on treespec::skinny_linear (Triton) instead of "
+                             "cuBLAS (default off)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.smoke and not torch.cuda.is_available():

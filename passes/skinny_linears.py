@@ -1,0 +1,91 @@
+"""Run the target's few-row CUDA linears through ``treespec::skinny_linear`` (Triton tiles for M <= 64).
+
+Runs only when the binding asks for it (``TargetBinding(skinny_linears=True)``, from
+``TreeSpeculator(skinny_linears=...)``). Every ``linear(x, w, b)`` call whose input is a 16-bit CUDA tensor
+with at most 64 rows (the product of its static leading dims: a round's B x T) and whose weight has a
+contiguous last dim becomes
+
+    y = skinny_linear(x.reshape(M, K), w, b).reshape(*lead, N)
+
+Fused projection weights (get_attr) are read the same way. float32 linears stay on cuBLAS: there the
+tiles' summation order would differ from HF's own float32 GEMM, which the float32 equality checks rely on.
+Why the op exists, and what it was measured against: :mod:`treecompile.ops.skinny_linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.fx
+
+from treecompile.ops.skinny_linear import MAX_ROWS
+
+from .fuse_projections import _linear_args
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.float16, torch.bfloat16)
+_DEVICE_TYPES = ("cuda",)  # the op's Triton path (tests on a CPU-only machine add "cpu": the op's reference)
+
+
+def _value(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
+    if not isinstance(node, torch.fx.Node):
+        return None
+    value = getattr(gm, node.target, None) if node.op == "get_attr" else node.meta.get("example_value")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _skinny_rows(gm, x, weight, bias) -> int | None:
+    """M when this linear qualifies (module docstring), else None."""
+    xv, wv = _value(gm, x), _value(gm, weight)
+    if xv is None or wv is None or xv.dim() < 1 or wv.dim() != 2:
+        return None
+    if xv.device.type not in _DEVICE_TYPES or xv.dtype not in _DTYPES or wv.dtype != xv.dtype or wv.device != xv.device:
+        return None
+    if bias is not None:
+        bv = _value(gm, bias)
+        if bv is None or bv.dtype != xv.dtype or bv.dim() != 1:
+            return None
+    lead = xv.shape[:-1]
+    if not all(isinstance(d, int) for d in lead) or wv.shape[1] != xv.shape[-1] or xv.shape[-1] < 1:
+        return None
+    if wv.shape[1] > 1 and wv.stride(1) != 1:
+        return None
+    M = math.prod(lead)
+    return M if 1 <= M <= MAX_ROWS else None
+
+
+def skinny_linears(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
+    binding = getattr(settings, "binding", None)
+    if not getattr(binding, "skinny_linears", False):
+        return gm
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        args = _linear_args(node)
+        if args is None:
+            continue
+        x, weight, bias = args
+        M = _skinny_rows(gm, x, weight, bias)
+        if M is None:
+            continue
+        xv, wv = _value(gm, x), _value(gm, weight)
+        K, N = xv.shape[-1], wv.shape[0]
+        with graph.inserting_before(node):
+            # reshape (not view): a strided input is copied to the [M, K] rows the op reads
+            rows = graph.call_method("reshape", (x, M, K))
+            out = graph.call_function(torch.ops.treespec.skinny_linear.default, (rows, weight, bias))
+            y = graph.call_method("reshape", (out, *xv.shape[:-1], N))
+        y.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace")})
+        for new in (rows, out):
+            new.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+        logger.info("skinny_linears: %d linear(s) -> treespec::skinny_linear", count)
+    return gm

@@ -1,0 +1,121 @@
+"""treespec::skinny_linear against cuBLAS (F.linear) on cold weights, per shape a round runs (H200, bf16).
+
+A forward streams every weight once, so each timing here runs one CUDA graph that calls the GEMM over
+enough distinct weight copies to exceed the 50 MB L2 twice (the weights come from HBM, as in a round), and
+reports the time per call. Shapes: SmolLM2-135M's target (fused qkv and gate/up, o, down, LM head) at 1
+and 64 rows, its shipped head at 1 and 8 rows (8k vocabulary), the 8B Llama's at 1, 4 and 64 rows. Per
+shape: cuBLAS, the default tiles (`choose_skinny_config`), and the best of a tile sweep; every config
+checked against F.linear first.
+
+    python3 tests/gpu/skinny_sweep.py out.json [quick|full]   # 6 / 24 (default) / 144 tile configs a shape
+"""
+
+import itertools
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from treecompile.ops.skinny_linear import _launch_skinny_linear, choose_skinny_config
+
+SMOL = [("smol qkv", 960, 576), ("smol o", 576, 576), ("smol gate_up", 3072, 576), ("smol down", 576, 1536)]
+SMOL_HEAD = [("head fc", 576, 1728), ("head lm", 8192, 576)]
+LLAMA8B = [("8b qkv", 6144, 4096), ("8b o", 4096, 4096), ("8b gate_up", 28672, 4096), ("8b down", 4096, 14336)]
+CASES = [(m, *s) for m in (1, 64) for s in SMOL] + [(m, *s) for m in (1, 8) for s in SMOL + SMOL_HEAD]
+CASES += [(1, "smol lm_head", 49152, 576), (64, "smol lm_head", 49152, 576)]
+LLAMA8B_HEAD = [("8b head fc", 4096, 12288), ("8b head lm", 32000, 4096)]
+CASES += [(m, *s) for m in (1, 4, 64) for s in LLAMA8B]
+CASES += [(m, *s) for m in (1, 4) for s in LLAMA8B_HEAD] + [(m, "8b lm_head", 128256, 4096) for m in (1, 64)]
+L2_BYTES = 50 * 2**20
+
+
+def graph_us(fn, copies: int, reps: int = 10) -> float:
+    """Per-call us of ``fn(i)`` for i over the copies, captured as one graph, median of 5 timings."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (reps * copies))
+    return sorted(times)[2]
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "skinny_sweep.json"
+    mode = sys.argv[2] if len(sys.argv) > 2 else ""
+    quick, full = mode == "quick", mode == "full"
+    torch.manual_seed(0)
+    results = []
+    t0 = time.time()
+    for M, label, N, K in CASES:
+        wbytes = N * K * 2
+        copies = max(2, min(64, -(-4 * L2_BYTES // wbytes)))
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for _ in range(copies)]
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        want = F.linear(x.float(), ws[0].float())
+        row = dict(M=M, label=label, N=N, K=K, copies=copies)
+        row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
+        default = choose_skinny_config(M, N, K)
+        bm = default.block_m
+        sweep = [default]
+        grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4))  # 24 configs
+        if full:
+            grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5))
+        elif quick:
+            grid = itertools.product((16, 32, 64), (128,), (4,), (3, 4))
+        for bn, bk, warps, stages in grid:
+            if bk > max(16, 1 << (K - 1).bit_length()):
+                continue
+            sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
+        configs = []
+        for cfg in dict.fromkeys(sweep):
+            entry = dict(block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k, warps=cfg.num_warps,
+                         stages=cfg.num_stages)  # fmt: skip
+            try:
+                _launch_skinny_linear(x, ws[0], None, outs[0], config=cfg)
+                err = (outs[0].float() - want).abs().max().item()
+                entry["max_err"] = err
+                if not err < 0.05:
+                    entry["error"] = "wrong result"
+                else:
+                    entry["us"] = graph_us(lambda i, cfg=cfg: _launch_skinny_linear(x, ws[i], None, outs[i], cfg), copies)
+            except Exception as exc:  # noqa: BLE001  (resources a tile does not fit: recorded, the sweep goes on)
+                entry["error"] = repr(exc)[:200]
+            configs.append(entry)
+        timed = [c for c in configs if "us" in c]
+        row["default"] = configs[0]
+        row["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+        row["top"] = sorted(timed, key=lambda c: c["us"])[:5]
+        row["configs"] = len(configs)
+        gbps = lambda us: round(wbytes / (us * 1e3), 1)  # noqa: E731  (GB/s of weight read)
+        best = row["best"]["us"] if row["best"] else float("nan")
+        print(f"{label:14s} M={M:3d} N={N:6d} K={K:6d} cuBLAS {row['cublas_us']:7.2f} us ({gbps(row['cublas_us'])} GB/s)"
+              f"  default {configs[0].get('us', float('nan')):7.2f}  best {best:7.2f} ({gbps(best)} GB/s)"
+              f"  {row['best']}  [{time.time() - t0:.0f} s]", flush=True)  # fmt: skip
+        results.append(row)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        del ws, outs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

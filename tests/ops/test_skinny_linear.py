@@ -1,0 +1,114 @@
+"""treespec::skinny_linear: the Triton kernel (interpreter on CPU, the device on GPU) against a float64
+F.linear, over row counts 1..64, K not a multiple of the tile, N not a multiple of the slice, biases, strided
+rows, and the op's boundary checks. Outputs are poisoned with NaN so an unwritten element fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import poisoned
+from treecompile.ops.skinny_linear import MAX_ROWS, _launch_skinny_linear, choose_skinny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _inputs(M, N, K, dtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def _check(out, x, w, b):
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    tol = 1e-5 if x.dtype == torch.float32 else 2e-2
+    assert not out.isnan().any(), "unwritten output elements"
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "M,N,K,bias",
+    [(1, 40, 64, False), (3, 17, 50, True), (16, 64, 128, False), (20, 33, 96, True), (64, 48, 200, False)],
+)
+def test_matches_float64_linear(dtype, M, N, K, bias):
+    x, w, b = _inputs(M, N, K, dtype, bias, seed=M * 1000 + N)
+    out = poisoned((M, N), dtype)
+    _launch_skinny_linear(x, w, b, out)
+    _check(out, x, w, b)
+
+
+@pytest.mark.parametrize("block_m,block_n,block_k", [(16, 16, 16), (32, 32, 64), (64, 16, 32)])
+def test_every_tile_shape_is_exact_enough(block_m, block_n, block_k):
+    x, w, b = _inputs(37, 70, 90, torch.float32, True, seed=block_n)
+    out = poisoned((37, 70), torch.float32)
+    cfg = choose_skinny_config(37, 70, 90, block_m=block_m, block_n=block_n, block_k=block_k)
+    _launch_skinny_linear(x, w, b, out, config=cfg)
+    _check(out, x, w, b)
+
+
+def test_strided_rows_in_and_out():
+    x_wide, w, _ = _inputs(5, 24, 40, torch.float32, False)
+    x = torch.cat([x_wide, torch.full((5, 8), float("nan"))], 1)[:, :40]  # row stride 48, NaN past K
+    out_wide = poisoned((5, 30), torch.float32)
+    out = out_wide[:, :24]
+    _launch_skinny_linear(x, w, None, out)
+    _check(out, x_wide, w, None)
+    assert out_wide[:, 24:].isnan().all(), "wrote past the output's columns"
+
+
+def test_weight_rows_view():
+    """A fused projection hands out row slices of one weight: contiguous rows, a storage offset."""
+    x, w, _ = _inputs(2, 96, 32, torch.float32, False)
+    part = w[32:64]
+    out = poisoned((2, 32), torch.float32)
+    _launch_skinny_linear(x, part, None, out)
+    _check(out, x, part, None)
+
+
+def test_op_on_cpu_is_the_reference_and_traces():
+    x, w, b = _inputs(4, 12, 20, torch.float32, True)
+    assert torch.equal(torch.ops.treespec.skinny_linear(x, w, b), F.linear(x, w, b))
+    compiled = torch.compile(lambda a, c: torch.ops.treespec.skinny_linear(a, c) * 2, backend="aot_eager",
+                             fullgraph=True)  # fmt: skip
+    assert torch.equal(compiled(x, w), F.linear(x, w) * 2)
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: (torch.zeros(65, 8), torch.zeros(4, 8), None), f"1..{MAX_ROWS} rows"),
+        (lambda: (torch.zeros(0, 8), torch.zeros(4, 8), None), "rows"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 9), None), r"weight: expected \[N, K=8\]"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.float16), None), "weight: expected dtype"),
+        (lambda: (torch.zeros(2, 8, dtype=torch.int32), torch.zeros(4, 8, dtype=torch.int32), None), "x: expected dtype"),
+        (lambda: (torch.zeros(8, 2).t(), torch.zeros(4, 8), None), "x: the last dim must have stride 1"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(8, 4).t(), None), "weight: the last dim must have stride 1"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(5)), r"bias: expected \[N=4\]"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4, 1)), "bias: expected a 1-d"),
+        (lambda: (torch.zeros(8), torch.zeros(4, 8), None), "x: expected a 2-d"),
+    ],
+)
+def test_bad_input_names_the_argument(make, match):
+    with pytest.raises(ValueError, match=match):
+        torch.ops.treespec.skinny_linear(*make())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("M,N,K", [(1, 960, 576), (8, 8192, 576), (64, 3072, 576), (1, 6144, 4096), (3, 100, 70)])
+def test_gpu_matches_float64_and_replays_in_a_graph(dtype, M, N, K):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    x, w, b = (t.cuda() if t is not None else None for t in _inputs(M, N, K, dtype, bias=N % 2 == 1))
+    out = torch.ops.treespec.skinny_linear(x, w, b)
+    _check(out, x, w, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.treespec.skinny_linear(x, w, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(captured, x, w, b)

@@ -1,0 +1,121 @@
+"""skinny_linears: few-row 16-bit linears become treespec::skinny_linear calls; the rest stay F.linear.
+
+The op's Triton path is CUDA-only; here the pass is told CPU counts too (its CPU path is the F.linear
+reference), so the rewrite itself, the cases it leaves alone, and the outputs are checked on this machine.
+The op's kernel is checked in tests/ops/test_skinny_linear.py; a CUDA generate with the option on in
+tests/runtime/test_speculator_gpu.py.
+"""
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treecompile.ops.skinny_linear import linear_rows
+from treecompile.passes.skinny_linears import skinny_linears
+
+skinny_module = importlib.import_module("treecompile.passes.skinny_linears")  # the package attribute is the pass
+
+from test_outer_products import capture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ON = SimpleNamespace(binding=SimpleNamespace(skinny_linears=True))
+OFF = SimpleNamespace(binding=SimpleNamespace(skinny_linears=False))
+
+
+def ops_in(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def three_linears(x, w1, w2, b2, w3):
+    h = F.linear(x, w1)  # [B, T, 48]
+    h = torch.nn.functional.linear(h.relu(), w2, b2)  # with a bias
+    return F.linear(h, w3.t().contiguous().t())  # a weight with a strided last dim: left alone
+
+
+def inputs(rows, dtype=torch.float16):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 32, generator=g).to(dtype)
+    w1 = (torch.randn(48, 32, generator=g) / 6).to(dtype)
+    w2 = (torch.randn(24, 48, generator=g) / 7).to(dtype)
+    b2 = torch.randn(24, generator=g).to(dtype)
+    w3 = (torch.randn(8, 24, generator=g) / 5).to(dtype)
+    return x, w1, w2, b2, w3
+
+
+@pytest.fixture
+def cpu_counts(monkeypatch):
+    monkeypatch.setattr(skinny_module, "_DEVICE_TYPES", ("cuda", "cpu"))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_few_row_linears_become_skinny_calls_with_identical_values(cpu_counts, rows):
+    args = inputs(rows)
+    gm = capture(three_linears, *args)
+    (want,) = gm(*args)
+    before = ops_in(gm).count(torch._C._nn.linear)
+    gm = skinny_linears(gm, ON)
+    targets = ops_in(gm)
+    assert targets.count(torch.ops.treespec.skinny_linear.default) == 2
+    assert targets.count(torch._C._nn.linear) == before - 2  # the strided-weight one stays
+    (got,) = gm(*args)
+    assert got.shape == want.shape
+    assert torch.equal(got, want)  # on the CPU the op is F.linear itself
+
+
+def test_more_than_64_rows_float32_and_cpu_stay_linear(cpu_counts, monkeypatch):
+    args = inputs(65)
+    gm = skinny_linears(capture(three_linears, *args), ON)
+    assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
+    args = inputs(8, torch.float32)  # float32 keeps cuBLAS (HF's own rounding)
+    gm = skinny_linears(capture(three_linears, *args), ON)
+    assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
+    monkeypatch.setattr(skinny_module, "_DEVICE_TYPES", ("cuda",))
+    args = inputs(8)
+    gm = skinny_linears(capture(three_linears, *args), ON)
+    assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
+
+
+def test_off_unless_the_binding_asks(cpu_counts):
+    args = inputs(4)
+    gm = skinny_linears(capture(three_linears, *args), OFF)
+    assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
+    gm = skinny_linears(capture(three_linears, *args), SimpleNamespace())
+    assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
+
+
+def test_linear_rows_falls_back_to_f_linear_off_cuda():
+    x, w1, *_ = inputs(3)
+    assert torch.equal(linear_rows(x, w1), F.linear(x, w1))
+    assert torch.equal(linear_rows(x.float(), w1.float(), torch.ones(48)), F.linear(x.float(), w1.float(), torch.ones(48)))
+
+
+def test_speculator_refuses_skinny_linears_on_cpu():
+    from test_rewrite_attention import tiny_model
+
+    from treecompile.drafter import EagleDrafter
+    from treecompile.speculator import TreeSpeculator
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="skinny_linears: runs 16-bit CUDA linears only"):
+        TreeSpeculator(model, EagleDrafter.for_target(model, seed=0), topk=2, steps=2, num_nodes=4,
+                       max_batch_size=1, max_seq_len=64, skinny_linears=True)  # fmt: skip
+
+
+def test_drafter_skinny_linears_keeps_its_outputs_on_cpu():
+    """On the CPU linear_rows is F.linear: the swapped head computes exactly what it did."""
+    from test_rewrite_attention import tiny_model
+
+    from treecompile.drafter import EagleDrafter
+
+    model = tiny_model("llama")
+    head = EagleDrafter.for_target(model, seed=0)
+    x = torch.randn(2, 3, head.fc.in_features, dtype=head.fc.weight.dtype)
+    want = head.project(x)
+    head.skinny_linears()
+    head.skinny_linears()  # idempotent
+    assert head.midlayer.self_attn.linear is linear_rows
+    assert torch.equal(head.project(x), want)
