@@ -7,7 +7,7 @@ and 64 rows, its shipped head at 1 and 8 rows (8k vocabulary), the 8B Llama's at
 shape: cuBLAS, the default tiles (`choose_skinny_config`), and the best of a tile sweep; every config
 checked against F.linear first.
 
-    python3 tests/gpu/skinny_sweep.py out.json [quick|full]   # 6 / 24 (default) / 144 tile configs a shape
+    python3 tests/gpu/skinny_sweep.py out.json [quick|full|smoke]   # 6 / 24 (default) / 144 tile configs a shape
 """
 
 import itertools
@@ -29,10 +29,17 @@ LLAMA8B_HEAD = [("8b head fc", 4096, 12288), ("8b head lm", 32000, 4096)]
 CASES += [(m, *s) for m in (1, 4, 64) for s in LLAMA8B]
 CASES += [(m, *s) for m in (1, 4) for s in LLAMA8B_HEAD] + [(m, "8b lm_head", 128256, 4096) for m in (1, 64)]
 L2_BYTES = 50 * 2**20
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
 
 
 def graph_us(fn, copies: int, reps: int = 10) -> float:
     """Per-call us of ``fn(i)`` for i over the copies, captured as one graph, median of 5 timings."""
+    if DEVICE == "cpu":  # smoke: the control flow and the JSON, no timing worth the name
+        t = time.perf_counter()
+        for i in range(copies):
+            fn(i)
+        return (time.perf_counter() - t) * 1e6 / copies
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -60,16 +67,21 @@ def graph_us(fn, copies: int, reps: int = 10) -> float:
 def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "skinny_sweep.json"
     mode = sys.argv[2] if len(sys.argv) > 2 else ""
-    quick, full = mode == "quick", mode == "full"
+    quick, full = mode == "quick", mode in ("full", "smoke")
+    cases = CASES
+    if mode == "smoke":  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+        global DEVICE, DTYPE, L2_BYTES
+        # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
+        DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
     torch.manual_seed(0)
     results = []
     t0 = time.time()
-    for M, label, N, K in CASES:
+    for M, label, N, K in cases:
         wbytes = N * K * 2
         copies = max(2, min(64, -(-4 * L2_BYTES // wbytes)))
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for _ in range(copies)]
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        ws = [torch.randn(N, K, device=DEVICE, dtype=DTYPE) / K**0.5 for _ in range(copies)]
+        x = torch.randn(M, K, device=DEVICE, dtype=DTYPE)
+        outs = [torch.empty(M, N, device=DEVICE, dtype=DTYPE) for _ in range(copies)]
         want = F.linear(x.float(), ws[0].float())
         row = dict(M=M, label=label, N=N, K=K, copies=copies)
         row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
@@ -114,7 +126,8 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
         del ws, outs
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
