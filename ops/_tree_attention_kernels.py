@@ -7,7 +7,10 @@ Stage 1, ``cascade_partial_kernel``, grid ``(B * Hkv * NRB, NS + 1)``:
     BLOCK_N tiles, at least MIN_CHUNK keys, so a short prefix uses few splits and the rest exit early
     after writing an empty state (``lse = -inf``, no output row).
   * ``s == NS``: the window, ``W <= 64`` keys after the prefix, one tile, visible per row through its
-    64-bit ancestor mask (bit tests in int64).
+    64-bit ancestor mask (bit tests in int64). With ``NEW_ROWS`` (``tree_attention_paged_write``) window key
+    j comes from the call's new row ``b * R + j`` when that row's slot is the key's, and the row block 0
+    program of each (request, KV head) writes the new rows to their slots (``kv_write``'s semantics: slots
+    out of range skipped). No program reads a slot this call writes, so the order of programs is free.
   Each writes a partial output (normalised) and its base-2 log-sum-exp into the workspace.
 Stage 2, ``cascade_merge_kernel``, grid ``(B * R * Hq,)``: combines the NS + 1 partial states of one row by
   log-sum-exp, guarding empty states (all ``-inf``: the row sees nothing -> zeros).
@@ -132,9 +135,11 @@ def choose_config(
 
 def launch_cascade(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None,
-    config: CascadeConfig | None = None,
+    config: CascadeConfig | None = None, new_rows=None,
 ):  # fmt: skip
-    """Stage 1 + stage 2 on q ``[B, R, Hq, D]``; returns ``[B, R, Hq, D]`` in q's dtype."""
+    """Stage 1 + stage 2 on q ``[B, R, Hq, D]``; returns ``[B, R, Hq, D]`` in q's dtype. ``new_rows = (k, v,
+    slots)``, ``k, v [B * R, Hkv, D]``: written to the caches by the window programs, which read the window
+    from them (module docstring); the window must be R."""
     B, R, Hq, D = q.shape
     num_slots, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -153,15 +158,20 @@ def launch_cascade(
     if triton_interpret():  # CPU tests: unwritten partial rows (splits past the prefix) hold NaN, as stale memory may
         o_part.fill_(float("nan"))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if new_rows is not None:
+        k_new, v_new, new_slots = new_rows
+    else:  # unused (NEW_ROWS=False): any tensors of the right kind
+        k_new, v_new, new_slots = k_cache, v_cache, prefix_len
     cascade_partial_kernel[(B * Hkv * nrb, NS + 1)](
         q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
+        k_new, v_new, new_slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), num_slots,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
         max_pages, num_slots // page_size, R, float(scale) * LOG2E, NS,
         HKV=Hkv, G=G, PAGE=page_size, WINDOW=window, NRB=nrb, D=D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
-        MIN_CHUNK=cfg.min_chunk, PREC=prec,
+        MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     cascade_merge_kernel[(B * R * Hq,)](
@@ -175,13 +185,14 @@ def launch_cascade(
 @triton.jit
 def cascade_partial_kernel(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
+    k_new, v_new, new_slots, s_kn, s_knh, s_vn, s_vnh, num_slots,
     s_qb, s_qr, s_qh,
     s_kc, s_kh, s_vc, s_vh,
     s_pt, s_ab, s_ar,
     max_pages, num_pages, R, qk_scale, NS,
     HKV: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
     NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, PREC: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -234,8 +245,26 @@ def cascade_partial_kernel(
         page = tl.load(pt_row + t // PAGE, mask=wmask, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         slot = page * PAGE + t % PAGE
-        kt = tl.load(k_head + slot[:, None] * s_kc + d[None, :], mask=wmask[:, None], other=0.0)
-        vt = tl.load(v_head + slot[:, None] * s_vc + d[None, :], mask=wmask[:, None], other=0.0)
+        if NEW_ROWS:
+            # Window key j is new row b * R + j (window == R) when that row goes to the key's own slot.
+            jn = j < WINDOW
+            row_n = b.to(tl.int64) * R + j
+            nslot = tl.load(new_slots + row_n, mask=jn, other=-1)
+            from_new = jn & (nslot == slot)
+            kn = tl.load(k_new + row_n[:, None] * s_kn + kvh * s_knh + d[None, :], mask=jn[:, None], other=0.0)
+            vn = tl.load(v_new + row_n[:, None] * s_vn + kvh * s_vnh + d[None, :], mask=jn[:, None], other=0.0)
+            old = wmask & ~from_new
+            kt = tl.load(k_head + slot[:, None] * s_kc + d[None, :], mask=old[:, None], other=0.0)
+            vt = tl.load(v_head + slot[:, None] * s_vc + d[None, :], mask=old[:, None], other=0.0)
+            kt = tl.where(from_new[:, None], kn, kt)
+            vt = tl.where(from_new[:, None], vn, vt)
+            if rb == 0:  # one program per (request, KV head) writes its head of the new rows
+                ok = jn & (nslot >= 0) & (nslot < num_slots)
+                tl.store(k_head + nslot[:, None] * s_kc + d[None, :], kn, mask=ok[:, None])
+                tl.store(v_head + nslot[:, None] * s_vc + d[None, :], vn, mask=ok[:, None])
+        else:
+            kt = tl.load(k_head + slot[:, None] * s_kc + d[None, :], mask=wmask[:, None], other=0.0)
+            vt = tl.load(v_head + slot[:, None] * s_vc + d[None, :], mask=wmask[:, None], other=0.0)
         amask = tl.load(ancestor_mask + b.to(tl.int64) * s_ab + r * s_ar, mask=row_ok, other=0)
         bits = (amask[:, None] >> j[None, :].to(tl.int64)) & 1
         vis = (bits != 0) & wmask[None, :] & row_ok[:, None]

@@ -12,6 +12,17 @@ ancestor_mask: ``int64 [B, R]``  row r sees key ``P_b + j`` iff bit j (< window)
 page_size, window (W <= 64), scale : ints / float, static
 out          : ``[B, R, Hq, D]`` in q's dtype. A row that sees no key at all gets zeros.
 
+Paged op with the cache write ``torch.ops.treespec.tree_attention_paged_write``
+-----------------------------------------------------------------------------
+``kv_write(k_cache, v_cache, k, v, slots)`` then ``tree_attention_paged(...)`` as one op, for a forward whose
+window keys are its own R new rows (a target's verify, decode or prefill chunk: ``window == R``):
+k, v ``[B * R, Hkv, D]`` (the caches' dtype), slots ``int64 [B * R]``; mutates both caches, returns the
+attention. On CUDA the window programs read window key j of request b from row ``b * R + j`` whenever that row
+is written to the key's own slot (else from the cache, as it was before the call) and one of them writes the
+rows: the cache write costs no launch of its own. Contract for the GPU path: a row written to a slot other
+than its key's (padding rows on the dummy slot) is never seen through another visible key. The CPU path runs
+the two ops in order.
+
 Functional form ``tree_attention(q, k, v, ancestor_mask, prefix_len, scale=None)``
 --------------------------------------------------------------------------------
 Contiguous ``k, v [B, L, Hkv, D]`` and ``q [B, N, Hq, D]``: the paged op with one page of L keys per request
@@ -74,6 +85,39 @@ def tree_attention_paged(
 @tree_attention_paged.register_fake
 def _(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale):
     _validate_paged(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("treespec::tree_attention_paged_write", mutates_args=("k_cache", "v_cache"))
+def tree_attention_paged_write(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    page_table: torch.Tensor,
+    prefix_len: torch.Tensor,
+    ancestor_mask: torch.Tensor,
+    page_size: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """Write the R new rows of each request, then tree attention over the cache (module docstring)."""
+    _validate_paged_write(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window)
+    if use_triton(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask):
+        return _launch_tree_attention_paged(
+            q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, new_rows=(k, v, slots)
+        )
+    from .kv_write import kv_write_reference
+
+    kv_write_reference(k_cache, v_cache, k, v, slots)
+    return _tree_attention_paged_cpu(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale)
+
+
+@tree_attention_paged_write.register_fake
+def _(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, scale):
+    _validate_paged_write(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -174,6 +218,21 @@ def _validate_paged(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, 
         _check_kernel_limits(q)
 
 
+def _validate_paged_write(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window):
+    from .kv_write import _validate_kv_write
+
+    _validate_paged(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window)
+    _validate_kv_write(k_cache, v_cache, k, v, slots)
+    check_same_device(q=q, k=k, v=v, slots=slots)
+    B, R = q.shape[:2]
+    if k.shape[0] != B * R:
+        raise ValueError(f"k: expected B * R = {B * R} rows (one per query row), got shape {tuple(k.shape)}")
+    if window != R:
+        raise ValueError(f"window: the new rows are the window, so window must equal R = {R}, got {window}")
+    if q.is_cuda and (k.stride(2) != 1 or v.stride(2) != 1):
+        raise ValueError(f"k, v: the head dim must be contiguous, got strides {k.stride()} and {v.stride()}")
+
+
 def _check_kernel_limits(q) -> None:
     if q.shape[3] not in KERNEL_HEAD_DIMS:
         raise ValueError(
@@ -220,15 +279,18 @@ def validate_tree_attention_values(
 
 
 def _launch_tree_attention_paged(
-    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None
-):
-    """Run the cascade (prefix splits + window, then the merge). ``num_splits`` overrides the static choice."""
+    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None,
+    new_rows=None,
+):  # fmt: skip
+    """Run the cascade (prefix splits + window, then the merge). ``num_splits`` overrides the static choice;
+    ``new_rows = (k, v, slots)``: the window reads and writes this call's rows (``tree_attention_paged_write``)."""
     from ._tree_attention_kernels import launch_cascade
 
     _check_kernel_limits(q)
     return launch_cascade(
-        q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits
-    )
+        q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits,
+        new_rows=new_rows,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""treespec::tree_attention_paged_write: the cache write folded into the attention's window programs.
+
+Oracle: ``kv_write`` then ``tree_attention_paged`` (the float64 reference), the op's own CPU path. The window
+slots hold stale poison (NaN keys, inf values) before the call, so a window program that reads the cache where
+it should read a new row fails; padding rows go to the dummy slot and are seen by no other row (the op's
+contract, as the speculator lays rows out). The caches after the call must equal kv_write's bit for bit.
+"""
+
+import pytest
+import torch
+
+from test_tree_attention import make_paged, random_tree_mask
+from treecompile.ops.kv_write import kv_write_reference
+from treecompile.ops.tree_attention import _launch_tree_attention_paged, tree_attention_paged_reference
+
+
+def new_rows_case(B, R, Hq, Hkv, D, page_size, max_pages, prefix, valid, dtype, seed):
+    """A paged cache whose window slots are stale, the R new rows of each request (rows past ``valid[b]``
+    are padding: dummy slot 0, masks that see the prefix only) and their slots."""
+    gen = torch.Generator().manual_seed(seed)
+    q, kc, vc, pt, pl, _ = make_paged(B, R, Hq, Hkv, D, page_size, max_pages, prefix, 0, dtype, gen)
+    k = torch.randn(B * R, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(B * R, Hkv, D, generator=gen).to(dtype)
+    slots = torch.zeros(B * R, dtype=torch.int64)  # padding rows: the dummy slot
+    masks = torch.zeros(B, R, dtype=torch.int64)
+    for b in range(B):
+        n = valid[b]
+        for t in range(R):
+            slot = int(pt[b, (prefix[b] + t) // page_size]) * page_size + (prefix[b] + t) % page_size
+            kc[slot], vc[slot] = float("nan"), float("inf")  # stale: must be overwritten, never read
+            if t < n:
+                slots[b * R + t] = slot
+        if n:
+            masks[b, :n] = random_tree_mask(n, gen)
+    return q, kc, vc, k, v, slots, pt, pl, masks
+
+
+def sequential(q, kc, vc, k, v, slots, pt, pl, masks, page_size, R, scale):
+    kc, vc = kc.clone(), vc.clone()
+    kv_write_reference(kc, vc, k, v, slots)
+    out = tree_attention_paged_reference(q.double(), kc.double(), vc.double(), pt, pl, masks, page_size, R, scale)
+    return out, kc, vc
+
+
+@pytest.mark.parametrize(
+    "B,R,prefix,valid,num_splits",
+    [(1, 1, [37], [1], None), (2, 7, [0, 40], [7, 4], None), (2, 16, [33, 70], [16, 16], 3), (1, 64, [90], [60], 2)],
+    ids=["decode", "ragged-padded", "splits3", "R64"],
+)
+def test_fused_write_equals_kv_write_then_attention(B, R, prefix, valid, num_splits, kernel_device):
+    Hq, Hkv, D, page_size = 4, 2, 64, 16
+    case = new_rows_case(B, R, Hq, Hkv, D, page_size, 12, prefix, valid, torch.float32, seed=R)
+    q, kc, vc, k, v, slots, pt, pl, masks = case
+    want, want_k, want_v = sequential(*case, page_size, R, 0.125)
+    d = kernel_device
+    kc_d, vc_d = kc.to(d), vc.to(d)
+    got = _launch_tree_attention_paged(
+        q.to(d), kc_d, vc_d, pt.to(d), pl.to(d), masks.to(d), page_size, R, 0.125, num_splits=num_splits,
+        new_rows=(k.to(d), v.to(d), slots.to(d)),
+    )  # fmt: skip
+    rows = torch.tensor([t < valid[b] for b in range(B) for t in range(R)]).view(B, R)
+    # Padding rows see the prefix only: finite too. Every row is compared.
+    assert rows.any()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
+    for name, a, b in (("k_cache", kc_d.cpu(), want_k), ("v_cache", vc_d.cpu(), want_v)):
+        assert torch.equal(a.nan_to_num(7.0, 8.0, 9.0), b.nan_to_num(7.0, 8.0, 9.0)), name
+
+
+def test_fp16_and_an_out_of_range_slot_is_skipped(kernel_device):
+    """kv_write's semantics: a slot outside the cache is skipped, not written out of bounds."""
+    B, R, Hq, Hkv, D, page_size = 1, 5, 2, 1, 64, 16
+    case = list(new_rows_case(B, R, Hq, Hkv, D, page_size, 4, [20], [4], torch.float16, seed=3))
+    case[5] = case[5].clone()
+    case[5][4] = case[1].shape[0] + 5  # the padding row: past the cache
+    want, want_k, want_v = sequential(*case, page_size, R, D**-0.5)
+    q, kc, vc, k, v, slots, pt, pl, masks = case
+    d = kernel_device
+    kc_d, vc_d = kc.to(d), vc.to(d)
+    got = _launch_tree_attention_paged(q.to(d), kc_d, vc_d, pt.to(d), pl.to(d), masks.to(d), page_size, R,
+                                       D**-0.5, new_rows=(k.to(d), v.to(d), slots.to(d)))  # fmt: skip
+    torch.testing.assert_close(got.cpu().double(), want, rtol=3e-3, atol=3e-3)
+    assert torch.equal(kc_d.cpu().nan_to_num(7.0), want_k.nan_to_num(7.0))
+
+
+def test_op_on_cpu_runs_the_two_ops_in_order_and_traces():
+    B, R, Hq, Hkv, D, page_size = 2, 4, 4, 2, 8, 8
+    case = new_rows_case(B, R, Hq, Hkv, D, page_size, 6, [5, 11], [4, 2], torch.float64, seed=1)
+    q, kc, vc, k, v, slots, pt, pl, masks = case
+    want, want_k, want_v = sequential(*case, page_size, R, 0.3)
+    got = torch.ops.treespec.tree_attention_paged_write(q, kc, vc, k, v, slots, pt, pl, masks, page_size, R, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0, 8.0), want_v.nan_to_num(7.0, 8.0))
+    case = new_rows_case(B, R, Hq, Hkv, D, page_size, 6, [5, 11], [4, 2], torch.float64, seed=1)
+    q, kc, vc, k, v, slots, pt, pl, masks = case
+    fn = torch.compile(lambda *a: torch.ops.treespec.tree_attention_paged_write(*a, page_size, R, 0.3) * 2,
+                       backend="aot_eager", fullgraph=True)  # fmt: skip
+    torch.testing.assert_close(fn(q, kc, vc, k, v, slots, pt, pl, masks), want * 2, rtol=1e-12, atol=1e-12)
+    assert torch.equal(kc.nan_to_num(7.0), want_k.nan_to_num(7.0))  # the mutation survives functionalization
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: a.update(k=a["k"][:-1], v=a["v"][:-1], slots=a["slots"][:-1]), r"k: expected B \* R = 8 rows"),
+        (lambda a: a.update(window=3), "window: the new rows are the window, so window must equal R = 4"),
+        (lambda a: a.update(k=a["k"].float()), "k: dtype torch.float32 must equal the cache dtype"),
+        (lambda a: a.update(slots=a["slots"].int()), "slots: expected dtype torch.int64"),
+    ],
+)
+def test_bad_input_names_the_argument(change, match):
+    B, R, Hq, Hkv, D, page_size = 2, 4, 4, 2, 8, 8
+    q, kc, vc, k, v, slots, pt, pl, masks = new_rows_case(B, R, Hq, Hkv, D, page_size, 6, [5, 11], [4, 2],
+                                                           torch.float64, seed=1)  # fmt: skip
+    args = dict(q=q, k_cache=kc, v_cache=vc, k=k, v=v, slots=slots, page_table=pt, prefix_len=pl,
+                ancestor_mask=masks, page_size=page_size, window=R, scale=0.3)  # fmt: skip
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.treespec.tree_attention_paged_write(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("B,R,prefix,valid", [(1, 1, [300], [1]), (2, 64, [700, 33], [64, 50])], ids=["decode", "verify"])
+def test_gpu_fused_write_in_a_graph_equals_kv_write_then_attention(dtype, B, R, prefix, valid):
+    """On the device, captured in a CUDA graph and replayed: the output against the float64 reference of
+    kv_write + attention, the caches bit for bit against kv_write's."""
+    Hq, Hkv, D, page_size = 8, 2, 128, 64
+    case = new_rows_case(B, R, Hq, Hkv, D, page_size, 16, prefix, valid, dtype, seed=R + 1)
+    q, kc, vc, k, v, slots, pt, pl, masks = case
+    want, want_k, want_v = sequential(*case, page_size, R, D**-0.5)
+    dev = [t.cuda() for t in (q, kc, vc, k, v, slots, pt, pl, masks)]
+    fresh = [t.clone() for t in dev[1:3]]
+    op = torch.ops.treespec.tree_attention_paged_write
+    op(*dev, page_size, R, D**-0.5)  # warm-up (compiles)
+    torch.cuda.synchronize()
+    dev[1].copy_(fresh[0])
+    dev[2].copy_(fresh[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*dev, page_size, R, D**-0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-4
+    torch.testing.assert_close(out.cpu().double(), want, rtol=tol, atol=tol)
+    assert torch.equal(dev[1].cpu().float().nan_to_num(7.0), want_k.float().nan_to_num(7.0))
+    assert torch.equal(dev[2].cpu().float().nan_to_num(7.0, 8.0), want_v.float().nan_to_num(7.0, 8.0))
