@@ -5,7 +5,8 @@
 parts (default all): ``topk`` (draft_topk slice sweep), ``argmax`` (torch.argmax vs a two-stage Triton argmax
 prototype), ``cascade`` (MIN_CHUNK at SmolLM2 head shapes), ``ab`` (draft / verify graph times with each change
 toggled by a monkeypatch, kernel tables, the Inductor sources of the verify's rope kernels); ``ab2`` / ``ab3``
-(the eighth / ninth sessions' A/Bs); ``ab4`` (``skinny_linears`` off / on).
+(the eighth / ninth sessions' A/Bs); ``ab4`` (``skinny_linears`` off / on); ``ab5`` (branch next/merged2: the
+cache-write fold and skinny linears, alone and together).
 Every part writes ``OUT_DIR/<part>.json`` as it goes.
 """
 
@@ -663,6 +664,74 @@ def part_ab4():
     dump("ab4", res)
 
 
+def part_ab5():
+    """The two unmeasured changes of branch next/merged2, alone and together, in one process: the cache
+    write folded into the attention (pass fuse_cache_write, toggled in PASSES) and skinny_linears. (8, 6, 64)
+    and plain decode graph times, kernel tables of "both", tokens compared with "main" (the fold is exact;
+    skinny GEMMs round differently in bf16)."""
+    import treecompile.passes as PS
+    from treecompile.speculator import TreeSpeculator
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from loop_profile import gpu_ms, smollm2_target_and_head
+
+    all_passes = list(PS.PASSES)
+    ids = torch.randint(1, 49152, (1, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    names = {(0, 0): "main", (1, 0): "fold", (0, 1): "skinny", (1, 1): "both"}
+    runs = [((8, 6, 64), v) for v in ((0, 0), (1, 0), (0, 1), (1, 1), (0, 0), (1, 1))]
+    runs += [((1, 1, 1), v) for v in ((0, 0), (1, 0), (0, 1), (1, 1))]
+    res = []
+    for shape, (fold, skinny) in runs:
+        name = names[(fold, skinny)]
+        PS.PASSES[:] = [p for p in all_passes if fold or p is not PS.fuse_cache_write]
+        model, drafter = smollm2_target_and_head()  # fresh: skinny_linears swaps the head's linears in place
+        spec = None
+        try:
+            with torch.no_grad():
+                torch._dynamo.reset()
+                spec = TreeSpeculator(model, drafter, topk=shape[0], steps=shape[1], num_nodes=shape[2],
+                                      max_batch_size=1, max_seq_len=512, prefill_chunk=64, inductor=True,
+                                      fuse_projections=True, skinny_linears=bool(skinny))  # fmt: skip
+                out = spec.generate(ids, max_new_tokens=48, eos_token_id=[])
+                st = spec._new_state(1, [200], [ids[0].tolist()], [], 10_000)
+                spec._prefill(st, 200)
+                for _ in range(3):
+                    spec._round(st)
+                draft, verify = spec._graphs[1]
+                r = dict(variant=name, shape=shape, tokens=out.sequences[0, 200:].tolist(),
+                         draft_ms=gpu_ms(draft.replay, 100) if shape[2] > 1 else 0.0, verify_ms=gpu_ms(verify.replay, 100))
+                tag = f"{name}_{shape[2]}"
+                if name == "both" and not os.path.exists(f"{OUT}/verify_{tag}.txt"):
+                    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+                    for gname, graph in (("draft", draft), ("verify", verify)):
+                        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            for _ in range(5):
+                                graph.replay()
+                            torch.cuda.synchronize()
+                        with open(f"{OUT}/{gname}_{tag}.txt", "w") as f:
+                            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=70,
+                                                              max_name_column_width=90))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            r = dict(variant=name, shape=shape, error=repr(exc))
+        print(json.dumps({k: v for k, v in r.items() if k != "tokens"}), flush=True)
+        res.append(r)
+        dump("ab5", res)
+        del spec, model, drafter
+        torch.cuda.empty_cache()
+    PS.PASSES[:] = all_passes
+    for shape in ((8, 6, 64), (1, 1, 1)):
+        main_tokens = next((r["tokens"] for r in res if tuple(r["shape"]) == shape and r.get("variant") == "main"
+                            and "tokens" in r), None)  # fmt: skip
+        for r in res:
+            if tuple(r["shape"]) == shape and "tokens" in r and main_tokens is not None:
+                r["tokens_equal_main"] = f"{sum(a == b for a, b in zip(r['tokens'], main_tokens))}/{len(main_tokens)}"
+        summary = [(r["variant"], r.get("tokens_equal_main")) for r in res if tuple(r["shape"]) == shape]
+        print(f"{shape}: tokens equal to main: {summary}", flush=True)
+    dump("ab5", res)
+
+
 def main():
     topk_best = None
     for part in PARTS:
@@ -687,6 +756,8 @@ def main():
                 part_ab3()
             elif part == "ab4":
                 part_ab4()
+            elif part == "ab5":
+                part_ab5()
         except Exception:  # noqa: BLE001
             traceback.print_exc()
         print(f"== part {part} done in {time.time() - t0:.0f} s", flush=True)
