@@ -75,6 +75,8 @@ def _add_demo(sub) -> None:
                    help="the target's dtype (default float32: greedy text is reproducible across kernels only "
                    "there; bf16 trees and plain decoding round differently)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes over the prompts; tokens/s from each method's median pass (default 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,7 +139,7 @@ def _run_demo(args) -> int:
             raise ValueError(f"tree: expected three ints K,S,N (e.g. 2,4,8), got {args.tree!r}") from None
     return run_demo(device=args.device or _default_device(), max_new_tokens=args.max_new_tokens, as_json=args.json,
                     prompts=args.prompts, head=args.head, tree=tree, treecompile_plain=args.treecompile_plain,
-                    dtype=args.dtype)  # fmt: skip
+                    dtype=args.dtype, repeats=args.repeats)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ def test_demo_json_on_cpu_matches_plain_greedy():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, "-m", "treecompile.cli", "demo", "--json", "--device", "cpu", "--max-new-tokens", "12",
-         "--prompts", "2"],
+         "--prompts", "2", "--repeats", "2"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -39,6 +39,10 @@ def test_demo_json_on_cpu_matches_plain_greedy():
     assert res["new_tokens"] > 0 and res["rounds"] > 0
     assert 1.0 <= res["tau"] <= res["tree"]["steps"] + 1  # a round emits 1 (bonus) .. depth + 1 tokens
     assert res["tokens_per_s_tree"] > 0 and res["tokens_per_s_plain"] > 0
+    # --repeats 2: two timed passes, the reported rate the median (here the mean) of the two
+    assert res["repeats"] == 2 and len(res["passes"]) == 2
+    tree_rates = [p["tokens_per_s_tree"] for p in res["passes"]]
+    assert abs(res["tokens_per_s_tree"] - sum(tree_rates) / 2) <= 0.011
 
 
 def test_shipped_head_is_in_the_package():
@@ -66,8 +70,9 @@ def test_missing_smollm2_package_names_the_install_command(monkeypatch, capsys):
         (["--tree", "2,4"], "tree: expected three ints"),
         (["--device", "nonsense"], "device:"),
         (["--head", "/nonexistent/head"], "head: '/nonexistent/head' has no config.json"),
+        (["--repeats", "0"], "repeats: expected an int in 1..20"),
     ],
-    ids=["max-new-tokens-0", "prompts-9", "tree-2-ints", "bad-device", "missing-head"],
+    ids=["max-new-tokens-0", "prompts-9", "tree-2-ints", "bad-device", "missing-head", "repeats-0"],
 )
 def test_bad_input_is_one_clear_line(args, match, capsys):
     assert main(["demo", "--device", "cpu", *args] if args[0] != "--device" else ["demo", *args]) == 2
