@@ -144,3 +144,33 @@ def test_gpu_fused_write_in_a_graph_equals_kv_write_then_attention(dtype, B, R, 
     torch.testing.assert_close(out.cpu().double(), want, rtol=tol, atol=tol)
     assert torch.equal(dev[1].cpu().float().nan_to_num(7.0), want_k.float().nan_to_num(7.0))
     assert torch.equal(dev[2].cpu().float().nan_to_num(7.0, 8.0), want_v.float().nan_to_num(7.0, 8.0))
+
+
+def test_inductor_calls_it_in_place_on_the_cache_buffers():
+    """Under Inductor (how a CUDA target graph runs) the op mutates the module's cache buffers in place: no
+    clone of a whole KV cache per layer, which a functionalised mutation without re-inplacing would cost."""
+    from torch._inductor.utils import run_and_get_code
+
+    B, R, Hq, Hkv, D, page_size = 2, 4, 4, 2, 8, 8
+    q, kc, vc, k, v, slots, pt, pl, masks = new_rows_case(B, R, Hq, Hkv, D, page_size, 6, [5, 11], [4, 2],
+                                                           torch.float32, seed=1)  # fmt: skip
+    want, want_k, _ = sequential(q, kc, vc, k, v, slots, pt, pl, masks, page_size, R, 0.3)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("kc", kc.clone())
+            self.register_buffer("vc", vc.clone())
+
+        def forward(self, q, k, v, slots, pt, pl, masks):
+            op = torch.ops.treespec.tree_attention_paged_write
+            return op(q, self.kc, self.vc, k, v, slots, pt, pl, masks, page_size, R, 0.3) * 2
+
+    layer = Layer()
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(layer, backend="inductor", fullgraph=True), q, k, v, slots, pt, pl, masks)
+    code = "\n".join(codes)
+    assert "tree_attention_paged_write.default(" in code
+    assert "copy_(" not in code and ".clone(" not in code, "the caches were copied around the op"
+    torch.testing.assert_close(out.double(), want * 2, rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.kc.nan_to_num(7.0), want_k.float().nan_to_num(7.0))
