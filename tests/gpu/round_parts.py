@@ -4,8 +4,8 @@
 
 parts (default all): ``topk`` (draft_topk slice sweep), ``argmax`` (torch.argmax vs a two-stage Triton argmax
 prototype), ``cascade`` (MIN_CHUNK at SmolLM2 head shapes); on request ``ab5`` (branch next/merged2: the
-cache-write fold and skinny linears, alone and together, in one process). Every part writes ``OUT_DIR/<part>.json`` as it
-goes. The one-process A/Bs that timed the eighth and ninth sessions' round changes against the code before
+cache-write fold and skinny linears, alone and together, in one process). Every part writes
+``OUT_DIR/<part>.json`` as it goes. The one-process A/Bs that timed the eighth and ninth sessions' round changes against the code before
 them (``ab``, ``ab2``, ``ab3``: verbatim copies of the old code patched back in) were removed once those
 changes merged; they are in this file at commit a663372.
 """
