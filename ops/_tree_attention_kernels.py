@@ -164,7 +164,8 @@ def launch_cascade(
         k_new, v_new, new_slots = k_cache, v_cache, prefix_len
     cascade_partial_kernel[(B * Hkv * nrb, NS + 1)](
         q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
-        k_new, v_new, new_slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), num_slots,
+        k_new, v_new, new_slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        new_slots.stride(0), num_slots,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
@@ -185,7 +186,7 @@ def launch_cascade(
 @triton.jit
 def cascade_partial_kernel(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
-    k_new, v_new, new_slots, s_kn, s_knh, s_vn, s_vnh, num_slots,
+    k_new, v_new, new_slots, s_kn, s_knh, s_vn, s_vnh, s_ns, num_slots,
     s_qb, s_qr, s_qh,
     s_kc, s_kh, s_vc, s_vh,
     s_pt, s_ab, s_ar,
@@ -249,7 +250,7 @@ def cascade_partial_kernel(
             # Window key j is new row b * R + j (window == R) when that row goes to the key's own slot.
             jn = j < WINDOW
             row_n = b.to(tl.int64) * R + j
-            nslot = tl.load(new_slots + row_n, mask=jn, other=-1)
+            nslot = tl.load(new_slots + row_n * s_ns, mask=jn, other=-1)  # slots may be a strided view
             from_new = jn & (nslot == slot)
             kn = tl.load(k_new + row_n[:, None] * s_kn + kvh * s_knh + d[None, :], mask=jn[:, None], other=0.0)
             vn = tl.load(v_new + row_n[:, None] * s_vn + kvh * s_vnh + d[None, :], mask=jn[:, None], other=0.0)

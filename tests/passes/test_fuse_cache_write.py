@@ -65,3 +65,31 @@ def test_generate_through_the_fused_op_equals_hf_greedy(cpu_counts):
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(got.sequences, want)
+
+
+def test_batched_decode_through_the_fused_kernel_equals_hf_greedy(cpu_counts, monkeypatch):
+    """The fused op's Triton kernel (the interpreter here), not its CPU path, under a batched ragged plain
+    decode: the speculator hands it a strided column of its slot table, which the kernel once indexed as if
+    contiguous (requests 1 and 2 then attended other requests' rows; only the GPU caught it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import treecompile.ops.tree_attention as tree_attention
+
+    monkeypatch.setattr(tree_attention, "use_triton", lambda *tensors: True)  # kernels on CPU tensors
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    model = LlamaForCausalLM(config).float().eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(1, 128, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :6] = 0
+    ids = ids * mask
+    torch._dynamo.reset()
+    plain = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=1, steps=1, num_nodes=1,
+                           max_batch_size=3, max_seq_len=48)  # fmt: skip
+    got = plain.generate(ids, mask, max_new_tokens=6, eos_token_id=[])
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got.sequences, want)
