@@ -34,7 +34,8 @@ if HAS_TRITON:
     import triton.language as tl
 
 __all__ = [
-    "skinny_linear", "skinny_linear_reference", "linear_rows", "SkinnyConfig", "choose_skinny_config", "MAX_ROWS",
+    "skinny_linear", "skinny_linear_reference", "linear_rows", "SkinnyConfig", "choose_skinny_config",
+    "measured_tiles", "register_tiles", "MAX_ROWS",
 ]
 
 MAX_ROWS = 64
@@ -90,15 +91,16 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x [..., K], weight, bias)``, through ``skinny_linear`` where it applies: 16-bit CUDA inputs
-    of at most ``MAX_ROWS`` rows (the product of the leading dims) and a weight with a contiguous last dim.
-    Everything else (CPU, float32, more rows) runs ``F.linear``. The choice reads static metadata only."""
+    """``F.linear(x [..., K], weight, bias)``, through ``skinny_linear`` where it applies and pays: 16-bit
+    CUDA inputs of at most ``MAX_ROWS`` rows (the product of the leading dims), a weight with a contiguous
+    last dim, and a shape the sweep measured faster than cuBLAS (``measured_tiles``). Everything else (CPU,
+    float32, more rows, unmeasured or cuBLAS-won shapes) runs ``F.linear``. Static metadata only."""
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     if (
         x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and weight.dim() == 2
         and 1 <= M <= MAX_ROWS and (K == 1 or weight.stride(1) == 1)
-        and (bias is None or bias.dtype == x.dtype)
+        and (bias is None or bias.dtype == x.dtype) and measured_tiles(M, weight.shape[0], K) is not None
     ):  # fmt: skip
         out = torch.ops.treespec.skinny_linear(x.reshape(M, K), weight, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -122,10 +124,92 @@ class SkinnyConfig:
     num_stages: int = 3
 
 
+# Measured on the H200 by tests/gpu/skinny_sweep.py (bf16, cold weights: each call reads another copy, as a
+# forward does; notes/gpu-2026-12-01-s10/skinny_sweep.json). (M, N, K): the best tiles (block_n, block_k,
+# num_warps, num_stages), their time and cuBLAS's in us. Where cuBLAS was as fast the shape stays on it:
+# Triton wins the small, latency-bound layers (SmolLM2's 0.6-3.5 MB projections, 3-11%) and the 64-row
+# GEMMs over big weights (8B gate/up, down, LM head: 5-7%); cuBLAS wins 1-4 row GEMMs over large-K weights
+# (8B down, the 8B head's fc: 8-17%) and the 1-8 row vocabulary projections of SmolLM2.
+_MEASURED: dict[tuple[int, int, int], tuple[int, int, int, int, float, float]] = {
+    (1, 960, 576): (32, 128, 4, 4, 3.63, 3.98),  # SmolLM2 qkv
+    (1, 576, 576): (16, 128, 4, 4, 3.19, 3.38),  # SmolLM2 o
+    (1, 3072, 576): (64, 128, 4, 4, 4.32, 4.06),  # SmolLM2 gate/up
+    (1, 576, 1536): (16, 256, 4, 4, 4.99, 5.02),  # SmolLM2 down
+    (8, 960, 576): (32, 128, 4, 4, 3.54, 3.71),
+    (8, 576, 576): (16, 128, 4, 4, 3.18, 3.45),
+    (8, 3072, 576): (32, 128, 4, 4, 4.00, 4.12),
+    (8, 576, 1536): (32, 256, 4, 4, 4.61, 5.02),
+    (64, 960, 576): (16, 128, 4, 4, 3.58, 3.77),
+    (64, 576, 576): (16, 128, 4, 4, 3.31, 3.72),
+    (64, 3072, 576): (32, 128, 4, 4, 4.28, 4.38),
+    (64, 576, 1536): (16, 256, 4, 4, 4.85, 5.15),
+    (1, 49152, 576): (128, 128, 4, 3, 17.96, 16.51),  # SmolLM2 LM head
+    (64, 49152, 576): (128, 64, 4, 3, 18.73, 19.18),
+    (1, 576, 1728): (16, 256, 4, 4, 5.45, 5.32),  # SmolLM2 draft head: fc
+    (8, 576, 1728): (16, 256, 4, 4, 5.44, 5.29),
+    (1, 8192, 576): (128, 128, 4, 4, 5.63, 5.07),  # SmolLM2 draft head: LM head (8k draft vocabulary)
+    (8, 8192, 576): (64, 128, 4, 4, 5.32, 5.16),
+    (1, 6144, 4096): (64, 256, 4, 4, 17.74, 16.49),  # Llama-8B qkv
+    (1, 4096, 4096): (64, 256, 4, 4, 13.79, 13.64),  # Llama-8B o
+    (1, 28672, 4096): (128, 256, 4, 3, 60.88, 61.34),  # Llama-8B gate/up
+    (1, 4096, 14336): (64, 256, 4, 4, 38.32, 32.64),  # Llama-8B down
+    (4, 6144, 4096): (64, 256, 4, 4, 17.16, 16.29),
+    (4, 4096, 4096): (64, 256, 4, 4, 12.85, 13.40),
+    (4, 28672, 4096): (128, 128, 4, 4, 60.42, 60.73),
+    (4, 4096, 14336): (64, 256, 4, 4, 36.31, 32.85),
+    (64, 6144, 4096): (32, 128, 4, 4, 17.70, 16.76),
+    (64, 4096, 4096): (32, 256, 4, 4, 12.79, 12.59),
+    (64, 28672, 4096): (128, 64, 4, 4, 60.22, 64.28),
+    (64, 4096, 14336): (32, 256, 4, 4, 34.43, 36.22),
+    (1, 128256, 4096): (128, 256, 4, 4, 234.76, 239.65),  # Llama-8B LM head
+    (64, 128256, 4096): (128, 128, 4, 4, 254.53, 272.44),
+    (1, 4096, 12288): (64, 256, 4, 4, 33.88, 30.56),  # 8B EAGLE-3 head: fc
+    (4, 4096, 12288): (64, 256, 4, 4, 31.90, 29.65),
+    (1, 32000, 4096): (128, 256, 4, 3, 64.68, 65.66),  # 8B EAGLE-3 head: LM head (32k draft vocabulary)
+    (4, 32000, 4096): (128, 256, 4, 3, 64.06, 66.09),
+}
+WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise of the sweep is ~1%)
+
+
+def _band(M: int) -> int:
+    """Row counts that share tiles: 1 (decode), 2-16 (draft lanes, tiny trees: one 16-row tile), 17-64."""
+    return 0 if M == 1 else 1 if M <= 16 else 2
+
+
+def register_tiles(rows) -> int:
+    """Add sweep results (the dicts ``tests/gpu/skinny_sweep.py`` writes: ``M, N, K, cublas_us`` and ``best``
+    with ``block_n, block_k, warps, stages, us``) to the measured table; later rows replace earlier ones of
+    the same (M, N, K). Returns how many were added. For a model or GPU the built-in table does not cover."""
+    added = 0
+    for r in rows:
+        best = r.get("best")
+        if not best:
+            continue
+        _MEASURED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
+            int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
+            float(best["us"]), float(r["cublas_us"]),
+        )  # fmt: skip
+        added += 1
+    return added
+
+
+def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
+    """The swept tiles for ``[M, K] x [N, K]^T`` when the sweep found them faster than cuBLAS, else None (the
+    shape stays on cuBLAS). The nearest swept M of the same (N, K) in M's band stands in for M; a shape never
+    swept is None: on unmeasured shapes cuBLAS is the safe default."""
+    swept = [(m, v) for (m, n, k), v in _MEASURED.items() if n == N and k == K and _band(m) == _band(M)]
+    if not swept:
+        return None
+    _, (block_n, block_k, warps, stages, us, cublas_us) = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
+    if us > WIN_MARGIN * cublas_us:
+        return None
+    return choose_skinny_config(M, N, K, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+
+
 def choose_skinny_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
-    """Static tiles from the shapes. Placeholder rule until the H200 sweep (``tests/gpu/skinny_sweep.py``)
-    fills in measured ones: rows in one tile; 16-wide slices of the output features unless that makes more
-    than ~4 programs per SM (132 SMs), so small layers get many programs and large ones long K streams."""
+    """Static tiles from the shapes, for shapes the sweep never measured (``measured_tiles`` first): rows in
+    one tile; 16-wide slices of the output features unless that makes more than ~4 programs per SM (132
+    SMs), so small layers get many programs and large ones long K streams."""
     block_m = max(16, triton.next_power_of_2(M))
     block_n = 16
     while block_n < 128 and triton.cdiv(N, block_n) > 4 * 132:
@@ -141,7 +225,7 @@ def _launch_skinny_linear(x, weight, bias, out, config: SkinnyConfig | None = No
     """Fill preallocated ``out [M, N]`` (any row stride, last dim contiguous)."""
     M, K = x.shape
     N = weight.shape[0]
-    cfg = config or choose_skinny_config(M, N, K)
+    cfg = config or measured_tiles(M, N, K) or choose_skinny_config(M, N, K)
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,

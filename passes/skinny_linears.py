@@ -2,8 +2,9 @@
 
 Runs only when the binding asks for it (``TargetBinding(skinny_linears=True)``, from
 ``TreeSpeculator(skinny_linears=...)``). Every ``linear(x, w, b)`` call whose input is a 16-bit CUDA tensor
-with at most 64 rows (the product of its static leading dims: a round's B x T) and whose weight has a
-contiguous last dim becomes
+with at most 64 rows (the product of its static leading dims: a round's B x T), whose weight has a
+contiguous last dim, and whose shape the H200 sweep measured faster on Triton tiles than on cuBLAS
+(``measured_tiles``; unmeasured shapes stay on cuBLAS, ``register_tiles`` adds a sweep of your own) becomes
 
     y = skinny_linear(x.reshape(M, K), w, b).reshape(*lead, N)
 
@@ -20,6 +21,7 @@ import math
 import torch
 import torch.fx
 
+from treecompile.ops import skinny_linear as skinny_op
 from treecompile.ops.skinny_linear import MAX_ROWS
 
 from .fuse_projections import _linear_args
@@ -54,7 +56,9 @@ def _skinny_rows(gm, x, weight, bias) -> int | None:
     if wv.shape[1] > 1 and wv.stride(1) != 1:
         return None
     M = math.prod(lead)
-    return M if 1 <= M <= MAX_ROWS else None
+    if not 1 <= M <= MAX_ROWS or skinny_op.measured_tiles(M, wv.shape[0], xv.shape[-1]) is None:
+        return None  # too many rows, or a shape cuBLAS won (or nobody measured): it stays on cuBLAS
+    return M
 
 
 def skinny_linears(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:

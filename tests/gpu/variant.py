@@ -2,8 +2,8 @@
 
     python3 tests/gpu/variant.py [--table SWEEP.json] [--no-fold] TARGET [args...]
 
-``--table``: ``treespec::skinny_linear`` takes the best tiles of a ``tests/gpu/skinny_sweep.py`` JSON per
-(M, N, K) (the nearest swept M of the same (N, K), else ``choose_skinny_config``'s placeholder rule).
+``--table``: a ``tests/gpu/skinny_sweep.py`` JSON is added to ``skinny_linear``'s measured table
+(``register_tiles``): its shapes use their best tiles where they beat cuBLAS, and stay on cuBLAS where not.
 ``--no-fold``: the pass ``fuse_cache_write`` is left out, so each layer keeps its separate ``kv_write``.
 TARGET is a module run as ``python -m`` would (``treecompile.bench``) or a script path (``tests/gpu/x.py``).
 """
@@ -17,25 +17,10 @@ from treecompile.ops import skinny_linear
 
 
 def install_table(path: str) -> int:
-    if not os.path.exists(path):  # no sweep yet: the placeholder rule
+    if not os.path.exists(path):  # no sweep yet: the built-in table
         return 0
     with open(path) as f:
-        rows = [r for r in json.load(f) if r.get("best")]
-    table: dict[tuple[int, int], list[tuple[int, dict]]] = {}
-    for r in rows:
-        table.setdefault((r["N"], r["K"]), []).append((r["M"], r["best"]))
-    rule = skinny_linear.choose_skinny_config
-
-    def choose(M, N, K, **override):
-        swept = table.get((N, K))
-        if not swept or override:
-            return rule(M, N, K, **override)
-        _, best = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
-        return rule(M, N, K, block_n=best["block_n"], block_k=best["block_k"], num_warps=best["warps"],
-                    num_stages=best["stages"])  # fmt: skip
-
-    skinny_linear.choose_skinny_config = choose
-    return len(rows)
+        return skinny_linear.register_tiles(json.load(f))
 
 
 def drop_fold() -> None:

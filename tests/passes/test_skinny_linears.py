@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from treecompile.ops.skinny_linear import linear_rows
+from treecompile.ops import skinny_linear as skinny_op
+from treecompile.ops.skinny_linear import linear_rows, measured_tiles, register_tiles
 from treecompile.passes.skinny_linears import skinny_linears
 
 skinny_module = importlib.import_module("treecompile.passes.skinny_linears")  # the package attribute is the pass
@@ -48,7 +49,34 @@ def inputs(rows, dtype=torch.float16):
 
 @pytest.fixture
 def cpu_counts(monkeypatch):
+    """The pass runs on CPU graphs, and the three test shapes count as measured Triton wins in every band."""
     monkeypatch.setattr(skinny_module, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(skinny_op, "_MEASURED", dict(skinny_op._MEASURED))
+    for M in (1, 8, 64):
+        for N, K in ((48, 32), (24, 48), (8, 24)):
+            skinny_op._MEASURED[(M, N, K)] = (16, 32, 4, 3, 3.0, 4.0)
+
+
+def test_only_shapes_measured_faster_than_cublas_are_rewritten(cpu_counts):
+    args = inputs(8)
+    skinny_op._MEASURED[(8, 24, 48)] = (16, 32, 4, 3, 4.0, 4.0)  # a tie: cuBLAS keeps it
+    del skinny_op._MEASURED[(1, 48, 32)], skinny_op._MEASURED[(8, 48, 32)], skinny_op._MEASURED[(64, 48, 32)]
+    gm = skinny_linears(capture(three_linears, *args), ON)
+    assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
+
+
+def test_measured_tiles_bands_and_nearest_row_count(monkeypatch):
+    monkeypatch.setattr(skinny_op, "_MEASURED", {})
+    assert measured_tiles(8, 100, 200) is None  # never swept: cuBLAS
+    row = lambda M, us, bn: dict(M=M, N=100, K=200, cublas_us=10.0, best=dict(block_n=bn, block_k=64, warps=4, stages=3, us=us))  # noqa: E731
+    assert register_tiles([row(1, 9.0, 16), row(4, 9.0, 32), row(64, 11.0, 64), dict(M=8, N=1, K=1, best=None)]) == 3
+    assert measured_tiles(1, 100, 200).block_n == 16
+    cfg = measured_tiles(12, 100, 200)  # the 2-16 band: M=4's tiles, a 16-row tile
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) == (16, 32, 64, 3)
+    assert measured_tiles(40, 100, 200) is None  # the 17-64 band: cuBLAS was faster there
+    assert measured_tiles(8, 100, 201) is None
+    register_tiles([row(64, 9.0, 64)])  # a later sweep replaces the entry
+    assert measured_tiles(40, 100, 200).block_m == 64
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
