@@ -126,8 +126,9 @@ def fuse_projections_default(fuse_projections: bool | None, device: torch.device
 
 
 def skinny_linears_default(skinny_linears: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """``TreeSpeculator(skinny_linears=None)``: off until the H200 sweep (``tests/gpu/skinny_sweep.py``) and a
-    round A/B show the Triton tiles beat cuBLAS. True needs a 16-bit CUDA model (float32 keeps cuBLAS, see
+    """``TreeSpeculator(skinny_linears=None)``: off. The H200 sweep's table (``ops/skinny_linear.py``) gives
+    SmolLM2's verify graph -5% and 8B rounds <= 1%, and its end-to-end effect is unmeasured (BENCHMARKS.md,
+    tenth session). True needs a 16-bit CUDA model (float32 keeps cuBLAS, see
     :mod:`treecompile.passes.skinny_linears`)."""
     if not skinny_linears:
         return False
@@ -203,8 +204,9 @@ class TreeSpeculator:
         are where MKL is slow on the CPU; costs the weights' memory once more), off otherwise; True elsewhere
         is refused.
     skinny_linears : run the target's and the drafter's 16-bit CUDA linears of <= 64 rows (decode, verify
-        trees, draft lanes) through ``treespec::skinny_linear``, Triton tiles instead of cuBLAS. Default off
-        (not yet measured against cuBLAS in a round); True on a CPU or float32 model is refused.
+        trees, draft lanes) through ``treespec::skinny_linear``, Triton tiles instead of cuBLAS, for the shapes
+        an H200 sweep measured faster (the rest stay on cuBLAS). Default off (small gains so far:
+        BENCHMARKS.md); True on a CPU or float32 model is refused.
     lookahead : with CUDA graphs, launch each round before reading the previous round's stop flags, so the
         GPU does not wait for the host between rounds (one extra round, which commits nothing, runs after
         the last request stops). False reads the flags after every round (for A/B timing).
