@@ -67,10 +67,12 @@ def test_generate_through_the_fused_op_equals_hf_greedy(cpu_counts):
     assert torch.equal(got.sequences, want)
 
 
-def test_batched_decode_through_the_fused_kernel_equals_hf_greedy(cpu_counts, monkeypatch):
-    """The fused op's Triton kernel (the interpreter here), not its CPU path, under a batched ragged plain
-    decode: the speculator hands it a strided column of its slot table, which the kernel once indexed as if
-    contiguous (requests 1 and 2 then attended other requests' rows; only the GPU caught it)."""
+@pytest.mark.parametrize("tree", [(1, 1, 1), (2, 2, 4)], ids=["plain", "tree"])
+def test_batched_decode_through_the_fused_kernel_equals_hf_greedy(cpu_counts, monkeypatch, tree):
+    """The fused op's Triton kernel (the interpreter here), not its CPU path, under a batched ragged decode.
+    Plain: the speculator hands it a strided column of its slot table, which the kernel once indexed as if
+    contiguous (requests 1 and 2 then attended other requests' rows; only the GPU caught it; this case fails
+    on that kernel). Tree: the verify's windows with padded rows, and the drafter's lanes, through kernels."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import treecompile.ops.tree_attention as tree_attention
@@ -87,9 +89,10 @@ def test_batched_decode_through_the_fused_kernel_equals_hf_greedy(cpu_counts, mo
     mask[2, :6] = 0
     ids = ids * mask
     torch._dynamo.reset()
-    plain = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=1, steps=1, num_nodes=1,
-                           max_batch_size=3, max_seq_len=48)  # fmt: skip
-    got = plain.generate(ids, mask, max_new_tokens=6, eos_token_id=[])
+    topk, steps, nodes = tree
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=topk, steps=steps, num_nodes=nodes,
+                          max_batch_size=3, max_seq_len=48)  # fmt: skip
+    got = spec.generate(ids, mask, max_new_tokens=6, eos_token_id=[])
     with torch.no_grad():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(got.sequences, want)
