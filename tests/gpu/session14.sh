@@ -3,7 +3,7 @@
 # 30 s of every call's end: the device is released after 30 s idle and this daemon dies with it).
 # 1. the whole -m gpu suite (the fold merged, the per-head dummy-slot check never run on a GPU yet);
 # 2. SmolLM2 e2e batch 1, plain + (8, 6, 64): main (fold on) against --skinny-linears (the measured table);
-# 3. 8B rounds main.
+# 3. 8B rounds main, then with Inductor's combo kernels (independent small kernels in one launch).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 P=${P:-/tmp/pipe}
@@ -19,4 +19,7 @@ timeout 300 python3 -m $E --skinny-linears --json "$P/e2e_skinny.json" > "$P/e2e
 stage "e2e skinny rc=$?"
 timeout 200 python3 -m treecompile.bench rounds --inductor --nodes 64 --reps 10 --json "$P/rounds.json" > "$P/rounds.log" 2>&1
 stage "rounds rc=$?"
+timeout 200 python3 tests/gpu/variant.py --inductor combo_kernels=True treecompile.bench rounds --inductor --nodes 64 \
+  --reps 10 --json "$P/rounds_combo.json" > "$P/rounds_combo.log" 2>&1
+stage "rounds combo rc=$? $(grep '^| treecompile' "$P/rounds_combo.log" | cut -c1-80 | tr '\n' ' ')"
 stage "DONE"

@@ -1,10 +1,13 @@
 """Run a module or script under one A/B variant of the round (GPU tuning runs, branch next/merged2).
 
-    python3 tests/gpu/variant.py [--table SWEEP.json] [--no-fold] TARGET [args...]
+    python3 tests/gpu/variant.py [--table SWEEP.json] [--no-fold] [--inductor KEY=VALUE ...] TARGET [args...]
 
 ``--table``: a ``tests/gpu/skinny_sweep.py`` JSON is added to ``skinny_linear``'s measured table
 (``register_tiles``): its shapes use their best tiles where they beat cuBLAS, and stay on cuBLAS where not.
 ``--no-fold``: the pass ``fuse_cache_write`` is left out, so each layer keeps its separate ``kv_write``.
+``--inductor KEY=VALUE``: sets ``torch._inductor.config.KEY`` (a Python literal) for every compile of the
+run, e.g. ``combo_kernels=True`` (Inductor fuses independent small kernels, such as a layer's q and k rope,
+into one launch).
 TARGET is a module run as ``python -m`` would (``treecompile.bench``) or a script path (``tests/gpu/x.py``).
 """
 
@@ -29,6 +32,18 @@ def drop_fold() -> None:
     passes.PASSES[:] = [p for p in passes.PASSES if p is not passes.fuse_cache_write]
 
 
+def set_inductor(assignment: str) -> None:
+    import ast
+
+    import torch._inductor.config as config
+
+    key, _, value = assignment.partition("=")
+    if not hasattr(config, key):
+        raise SystemExit(f"variant.py: --inductor {assignment}: torch._inductor.config has no {key!r}")
+    setattr(config, key, ast.literal_eval(value))
+    print(f"variant: torch._inductor.config.{key} = {getattr(config, key)!r}", flush=True)
+
+
 def main() -> None:
     args = sys.argv[1:]
     while args and args[0].startswith("--"):
@@ -38,6 +53,8 @@ def main() -> None:
         elif flag == "--no-fold":
             drop_fold()
             print("variant: fuse_cache_write left out", flush=True)
+        elif flag == "--inductor":
+            set_inductor(args.pop(0))
         else:
             raise SystemExit(f"variant.py: unknown flag {flag}")
     target = args[0]
