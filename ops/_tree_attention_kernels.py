@@ -168,8 +168,8 @@ def launch_cascade(
         new_slots.stride(0), num_slots,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        page_table.stride(0), ancestor_mask.stride(0), ancestor_mask.stride(1),
-        max_pages, num_slots // page_size, R, float(scale) * LOG2E, NS,
+        page_table.stride(0), page_table.stride(1), prefix_len.stride(0), ancestor_mask.stride(0),
+        ancestor_mask.stride(1), max_pages, num_slots // page_size, R, float(scale) * LOG2E, NS,
         HKV=Hkv, G=G, PAGE=page_size, WINDOW=window, NRB=nrb, D=D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
         MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None,
@@ -189,7 +189,7 @@ def cascade_partial_kernel(
     k_new, v_new, new_slots, s_kn, s_knh, s_vn, s_vnh, s_ns, num_slots,
     s_qb, s_qr, s_qh,
     s_kc, s_kh, s_vc, s_vh,
-    s_pt, s_ab, s_ar,
+    s_pt, s_pp, s_pl, s_ab, s_ar,
     max_pages, num_pages, R, qk_scale, NS,
     HKV: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
     NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -209,7 +209,7 @@ def cascade_partial_kernel(
     q_ptrs = q + b.to(tl.int64) * s_qb + r[:, None] * s_qr + hq[:, None] * s_qh + d[None, :]
     qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
 
-    P = tl.load(prefix_len + b)
+    P = tl.load(prefix_len + b * s_pl)  # page_table, prefix_len, slots: any strides (views of state tables)
     capacity = max_pages * PAGE
     pt_row = page_table + b.to(tl.int64) * s_pt
     k_head = k_cache + kvh.to(tl.int64) * s_kh
@@ -230,12 +230,12 @@ def cascade_partial_kernel(
         # Full tiles need no key mask (the hot loop); at most one partial tile follows.
         for start_n in range(start, full_end, BLOCK_N):
             m_i, l_i, acc = _prefix_tile(
-                qt, m_i, l_i, acc, k_head, v_head, pt_row, start_n, end, num_pages, s_kc, s_vc, qk_scale,
+                qt, m_i, l_i, acc, k_head, v_head, pt_row, s_pp, start_n, end, num_pages, s_kc, s_vc, qk_scale,
                 PAGE, D, BLOCK_N, PREC, False,
             )  # fmt: skip
         if full_end < end:
             m_i, l_i, acc = _prefix_tile(
-                qt, m_i, l_i, acc, k_head, v_head, pt_row, full_end, end, num_pages, s_kc, s_vc, qk_scale,
+                qt, m_i, l_i, acc, k_head, v_head, pt_row, s_pp, full_end, end, num_pages, s_kc, s_vc, qk_scale,
                 PAGE, D, BLOCK_N, PREC, True,
             )  # fmt: skip
     else:
@@ -243,7 +243,7 @@ def cascade_partial_kernel(
         j = tl.arange(0, BLOCK_W)
         t = P + j
         wmask = (j < WINDOW) & (t < capacity) & (t >= 0)
-        page = tl.load(pt_row + t // PAGE, mask=wmask, other=0).to(tl.int64)
+        page = tl.load(pt_row + (t // PAGE) * s_pp, mask=wmask, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         slot = page * PAGE + t % PAGE
         if NEW_ROWS:
@@ -312,7 +312,7 @@ def cascade_merge_kernel(o_part, lse_part, out, NS, D: tl.constexpr, BLOCK_S: tl
 
 @triton.jit
 def _prefix_tile(
-    qt, m_i, l_i, acc, k_head, v_head, pt_row, start_n, end, num_pages, s_kc, s_vc, qk_scale,
+    qt, m_i, l_i, acc, k_head, v_head, pt_row, s_pp, start_n, end, num_pages, s_kc, s_vc, qk_scale,
     PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of prefix keys [start_n, start_n + BLOCK_N) (clipped to ``end`` when MASKED):
@@ -320,11 +320,11 @@ def _prefix_tile(
     d = tl.arange(0, D)
     t = start_n + tl.arange(0, BLOCK_N)
     if PAGE % BLOCK_N == 0:  # the tile lies in one page: one page-table read
-        page = tl.load(pt_row + start_n // PAGE).to(tl.int64)
+        page = tl.load(pt_row + (start_n // PAGE) * s_pp).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         slot = page * PAGE + start_n % PAGE + tl.arange(0, BLOCK_N)
     else:
-        page = tl.load(pt_row + t // PAGE, mask=t < end, other=0).to(tl.int64)
+        page = tl.load(pt_row + (t // PAGE) * s_pp, mask=t < end, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         slot = page * PAGE + t % PAGE
     if MASKED:

@@ -118,6 +118,30 @@ def test_kernel_matches_reference_random_trees(B, N, Hq, Hkv, page_size, prefix,
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("page_size", [16, 8], ids=lambda p: f"pg{p}")
+def test_kernel_follows_strided_metadata(page_size, kernel_device):
+    """page_table, prefix_len and ancestor_mask may be views of wider state tables (a column, every other
+    page): the kernel follows their strides. It once read them as contiguous, which gave wrong outputs with
+    no error (the fused write's slots had the same bug in a GPU decode). page_size 8 < BLOCK_N: the prefix
+    tiles then read several page-table entries each."""
+    gen = torch.Generator().manual_seed(11)
+    B, N, Hq, Hkv, D = 3, 4, 4, 2, 64
+    q, kc, vc, pt, pl, mask = make_paged(B, N, Hq, Hkv, D, page_size, 6, [5, 20, 33], N, torch.float32, gen)
+    want = tree_attention_paged_reference(q.double(), kc.double(), vc.double(), pt, pl, mask, page_size, N, 0.125)
+    d = kernel_device
+    pl_table = torch.full((B, 3), -7, dtype=torch.int64)
+    pl_table[:, 1] = pl
+    pt_wide = torch.full((B, 2 * pt.shape[1]), -3, dtype=pt.dtype)
+    pt_wide[:, ::2] = pt
+    mask_wide = torch.zeros(B, 2 * N, dtype=torch.int64)
+    mask_wide[:, ::2] = mask
+    got = _launch_tree_attention_paged(
+        q.to(d), kc.to(d), vc.to(d), pt_wide.to(d)[:, ::2], pl_table.to(d)[:, 1], mask_wide.to(d)[:, ::2],
+        page_size, N, 0.125,
+    )  # fmt: skip
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8], ids=lambda s: f"splits{s}")
 def test_kernel_split_counts_agree(num_splits, kernel_device):
     """The split count is a static choice: any count gives the same result (several pages, odd remainder)."""
