@@ -13,7 +13,7 @@ Shapes
 ------
 x      [M, K]  float16 / bfloat16 / float32; 1 <= M <= MAX_ROWS; last dim contiguous, any row stride
 weight [N, K]  x's dtype, contiguous (an ``nn.Linear`` weight, or a view of rows of one)
-bias   [N] or None
+bias   [N] or None, any stride
 out    [M, N]  x's dtype; accumulated in float32 (float32 inputs: IEEE products, no TF32)
 
 Results equal ``F.linear`` up to summation order (a different kernel: not bitwise equal to cuBLAS).
@@ -229,7 +229,7 @@ def _launch_skinny_linear(x, weight, bias, out, config: SkinnyConfig | None = No
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
-        M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        M, N, K, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -241,7 +241,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_linear_kernel(
-        x, w, b, out, M, N, K, s_xm, s_wn, s_om,
+        x, w, b, out, M, N, K, s_xm, s_wn, s_om, s_b,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
@@ -268,7 +268,8 @@ if HAS_TRITON:
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if HAS_BIAS:
-            acc += tl.load(b + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            # any stride: a bias may be a view (a column of a wider table)
+            acc += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -70,6 +70,20 @@ def test_weight_rows_view():
     _check(out, x, part, None)
 
 
+def test_bias_column_of_a_wider_table(kernel_device):
+    """A bias handed over as a column of a wider table (stride 8): the kernel must follow its stride (it read
+    bias[n] as if contiguous, and so added the table's other columns)."""
+    x, w, b = _inputs(3, 20, 24, torch.float32, True)
+    table = torch.full((20, 8), 1e6)
+    table[:, 3] = b
+    bias = table[:, 3]
+    assert bias.stride() == (8,)
+    d = kernel_device
+    out = poisoned((3, 20), torch.float32, d)
+    _launch_skinny_linear(x.to(d), w.to(d), bias.to(d), out)
+    _check(out.cpu(), x, w, b)
+
+
 def test_op_on_cpu_is_the_reference_and_traces():
     x, w, b = _inputs(4, 12, 20, torch.float32, True)
     assert torch.equal(torch.ops.treespec.skinny_linear(x, w, b), F.linear(x, w, b))
