@@ -107,6 +107,37 @@ def test_kernel_partial_programs(batch, block_b, kernel_device):
     assert_moved(buffers, want)
 
 
+def as_table_views(slots, path, accept_len):
+    """The metadata as views of wider state tables, the way a caller's per-request buffers hand them over:
+    slots and path every third column of a [B, 3W + 1] table, accept_len a column of a [B, 64] table."""
+    batch, window = slots.shape
+    num_nodes = path.shape[1]
+    slot_table, path_table, len_table = (
+        torch.full((batch, width), -7, dtype=torch.int64, device=slots.device)
+        for width in (3 * window + 1, 3 * num_nodes + 1, 64)
+    )
+    slot_table[:, 1::3] = slots
+    path_table[:, 1::3] = path
+    len_table[:, 5] = accept_len
+    return slot_table[:, 1::3], path_table[:, 1::3], len_table[:, 5]
+
+
+@pytest.mark.parametrize("run", ["kernel", "op"])
+def test_strided_metadata_views(run, kernel_device):
+    """slots, accepted_path and accept_len may be strided views (the kernel takes every stride)."""
+    device = kernel_device if run == "kernel" else "cpu"
+    buffers, _ = make_buffers(device, seed=5)
+    slots, path, accept_len = random_acceptance(5, 9, 12, seed=5)
+    want = oracle_compact(buffers, slots, path, accept_len)
+    views = as_table_views(slots.to(device), path.to(device), accept_len.to(device))
+    assert views[2].stride() == (64,)
+    if run == "kernel":
+        _launch_compact_window_rows(buffers, *views)
+    else:
+        torch.ops.treespec.compact_window_rows(buffers, *views)
+    assert_moved(buffers, want)
+
+
 @pytest.mark.parametrize("run", ["kernel", "reference", "op"])
 def test_overlapping_moves(run, kernel_device):
     """Path [0, 2, 3] over contiguous slots: 2 -> 1 and 3 -> 2 must both read pre-call rows."""
