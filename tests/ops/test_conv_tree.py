@@ -157,6 +157,48 @@ def test_commit_shifts_accepted_inputs_in(state_width, impl):
         assert torch.equal(committed[b], want), f"request {b}"
 
 
+def every_other_column(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, K]`` as every other column of a wider table (strides (2K + 1, 2)), junk in between."""
+    table = torch.full((t.shape[0], 2 * t.shape[1] + 1), -7, dtype=t.dtype, device=t.device)
+    table[:, 1::2] = t
+    return table[:, 1::2]
+
+
+def test_kernels_take_views_of_state_tables(kernel_device):
+    """The window a slice of a wider conv buffer, parents / accepted_path / accept_len views of wider
+    per-request tables, weight and bias columns: the kernels follow every stride."""
+    d = kernel_device
+    n, channels = 6, 20
+    x, conv_state, weight, bias, parents = make_case(["random", "chain", "random"], n, channels, 4, 3, seed=4)
+    lens = torch.tensor([3, 0, 6])
+    paths = torch.full((3, n), -1, dtype=torch.int64)
+    for b, row in enumerate(parents.tolist()):
+        path = path_to(row, n - 1)[: int(lens[b])]
+        lens[b] = len(path)
+        paths[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
+    wide_state = torch.full((3, channels, 6), float("nan"), dtype=torch.float64, device=d)
+    state_view = wide_state[:, :, 2:5]
+    state_view.copy_(conv_state)
+    taps = torch.full((channels, 3, 4), float("nan"), dtype=torch.float64, device=d)
+    taps[:, 1] = weight
+    shifts = torch.full((channels, 2), float("nan"), dtype=torch.float64, device=d)
+    shifts[:, 0] = bias
+    len_table = torch.full((3, 64), -7, dtype=torch.int64, device=d)
+    len_table[:, 9] = lens
+
+    out = poisoned(x.shape, x.dtype, d)
+    conv._launch_causal_conv1d_tree_update(
+        x.to(d), state_view, taps[:, 1], shifts[:, 0], every_other_column(parents.to(d)), "silu", out
+    )
+    torch.testing.assert_close(out.cpu(), path_oracle(x, conv_state, weight, bias, parents, "silu"))
+
+    conv._launch_causal_conv1d_tree_commit(state_view, x.to(d), every_other_column(paths.to(d)), len_table[:, 9])
+    for b in range(3):
+        want = torch.cat([conv_state[b], x[b, paths[b, : int(lens[b])]].T], dim=-1)[:, -3:]
+        assert torch.equal(state_view[b].cpu(), want), f"request {b}"
+    assert wide_state[:, :, :2].isnan().all() and wide_state[:, :, 5:].isnan().all(), "wrote outside the window"
+
+
 def test_opcheck():
     x, conv_state, weight, bias, parents = make_case(["random"], 5, 6, 4, 3, dtype=torch.float32)
     update = torch.ops.treespec.causal_conv1d_tree_update.default
