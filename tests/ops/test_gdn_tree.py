@@ -337,6 +337,45 @@ def test_replay_commit_zero_length_and_prepacked_rows():
     assert torch.equal(zero, state)
 
 
+def every_other_column(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, K]`` as every other column of a wider table (strides (2K + 1, 2)), junk in between."""
+    table = torch.full((t.shape[0], 2 * t.shape[1] + 1), -7, dtype=t.dtype, device=t.device)
+    table[:, 1::2] = t
+    return table[:, 1::2]
+
+
+def test_verify_and_commit_take_views_of_state_tables(kernel_device):
+    """A state that is a transposed layer slice of a pool, workspace and payload column slices of wider
+    buffers, parents / accepted_path every other column, accept_len a column of a [B, 64] table: the
+    kernels follow every stride (kv_write once read its 1-d slots as contiguous)."""
+    d = kernel_device
+    parents = parents_tensor([("two_branches", 7), ("random", 7), ("chain", 7)], seed=6)
+    batch, n = parents.shape
+    q, k, v, g, beta, state = make_inputs(batch, n, hk=1, hv=2, dk=8, dv=16, seed=6)
+    width = gdn.gdn_payload_width(1, 8, 2, 16)
+    pool = torch.full((batch, 3, 2, 16, 8), float("nan"), dtype=torch.float64, device=d)
+    state_view = pool[:, 1].transpose(-1, -2)  # [B, Hv, Dk, Dv], Dv the slow dim
+    state_view.copy_(state)
+    ws_view = poisoned((batch, n + 1, 2, 8, 20), torch.float64, d)[..., 2:18]
+    payload_view = poisoned((batch, n + 1, width + 5), torch.float64, d)[:, :, 3 : 3 + width]
+    o = poisoned((batch, n, 2, 16), torch.float64, d)
+    gdn._launch_gdn_tree_verify(
+        q.to(d), k.to(d), v.to(d), g.to(d), beta.to(d), state_view, every_other_column(parents.to(d)),
+        ws_view, payload_view, o, None, True,
+    )  # fmt: skip
+    check_against_oracle(q, k, v, g, beta, state, parents, o.cpu(), ws_view.cpu(), payload_view[:, :n].cpu(), 1e-10)
+
+    paths, lens = accepted_paths(parents, seed=2)
+    len_table = torch.full((batch, 64), -7, dtype=torch.int64, device=d)
+    len_table[:, 5] = lens
+    gdn._launch_gdn_replay_commit(state_view, payload_view, every_other_column(paths.to(d)), len_table[:, 5])
+    for b in range(batch):
+        path = paths[b, : int(lens[b])].tolist()
+        want = chain_oracle(q[b], k[b], v[b], g[b], beta[b], state[b], path)[1][-1] if path else state[b]
+        torch.testing.assert_close(state_view[b].cpu(), want, atol=1e-10, rtol=1e-10)
+    assert pool[:, 0].isnan().all() and pool[:, 2].isnan().all(), "wrote outside the state's layer"
+
+
 # --------------------------------------------------------------------------------------------------
 # Helpers, opcheck, bad input
 # --------------------------------------------------------------------------------------------------
