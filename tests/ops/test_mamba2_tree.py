@@ -414,6 +414,64 @@ def test_ssm_commit_staged_is_generic(case, impl):
         assert torch.equal(pool[0], untouched[0]) and torch.equal(pool[2], untouched[1])
 
 
+def every_other_column(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, K]`` as every other column of a wider table (strides (2K + 1, 2)), junk in between."""
+    table = torch.full((t.shape[0], 2 * t.shape[1] + 1), -7, dtype=t.dtype, device=t.device)
+    table[:, 1::2] = t
+    return table[:, 1::2]
+
+
+def every_other(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with every dim strided (stride 2 over a NaN-filled buffer)."""
+    wide = torch.full(tuple(2 * s for s in t.shape), float("nan"), dtype=t.dtype, device=t.device)
+    view = wide[tuple(slice(None, None, 2) for _ in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def test_verify_and_commits_take_views_of_state_tables(kernel_device):
+    """A state that is a transposed layer slice of a pool, payload / scratch slices of wider buffers,
+    strided A, D, dt_bias, parents / accepted_path every other column and accept_len a column of a
+    [B, 64] table: the replay and the staged kernels follow every stride (kv_write once read its 1-d
+    slots as contiguous)."""
+    d = kernel_device
+    parents = parents_tensor([("two_branches", 7), ("random", 7), ("chain", 7)], seed=6)
+    batch, n = parents.shape
+    inputs = make_inputs(batch, n, h=2, g=1, p=8, s=16, seed=6)
+    x, dt, A, B, C, D, dt_bias, state = inputs
+    width = m2.mamba2_payload_width(2, 8, 1, 16)
+    pool = torch.full((batch, 3, 2, 16, 8), float("nan"), dtype=torch.float64, device=d)
+    state_view = pool[:, 1].transpose(-1, -2)  # [B, H, P, S_n], P the slow dim
+    state_view.copy_(state)
+    payload_view = poisoned((batch, n + 1, width + 5), torch.float64, d)[:, :, 3 : 3 + width]
+    scratch_view = poisoned((batch, n + 1, 2, 8, 20), torch.float64, d)[..., 2:18]
+    y = poisoned((batch, n, 2, 8), torch.float64, d)
+    y_staged = poisoned((batch, n, 2, 8), torch.float64, d)
+    views = (x.to(d), dt.to(d), every_other(A.to(d)), B.to(d), C.to(d), every_other(D.to(d)),
+             every_other(dt_bias.to(d)), state_view, every_other_column(parents.to(d)))  # fmt: skip
+    m2._launch_mamba2_tree_verify(*views, payload_view, y, True, None, None, staged=False)
+    m2._launch_mamba2_tree_verify(*views, scratch_view, y_staged, True, None, None, staged=True)
+    check_against_oracle("kernel", inputs, parents, y.cpu(), payload_view[:, :n].cpu(), 1e-10)
+    check_against_oracle("staged-kernel", inputs, parents, y_staged.cpu(), scratch_view.cpu(), 1e-10)
+
+    paths, lens = accepted_paths(parents, seed=2)
+    len_table = torch.full((batch, 64), -7, dtype=torch.int64, device=d)
+    len_table[:, 5] = lens
+    path_view = every_other_column(paths.to(d))
+    staged_pool = torch.full((batch, 3, 2 * 8 * 16), float("nan"), dtype=torch.float64, device=d)
+    staged_state = staged_pool[:, 1].view(batch, 2, 8, 16)  # a layer slice: rows contiguous, batch stride
+    staged_state.copy_(state)
+    m2._launch_mamba2_replay_commit(state_view, payload_view, path_view, len_table[:, 5])
+    m2._launch_ssm_commit_staged(staged_state, scratch_view.contiguous(), path_view, len_table[:, 5])
+    for b in range(batch):
+        path = paths[b, : int(lens[b])].tolist()
+        want = chain_oracle(x[b], dt[b], A, B[b], C[b], D, dt_bias, state[b], path)[1][-1] if path else state[b]
+        assert_close(state_view[b].cpu(), want, 1e-10, f"replayed state {b}")
+        assert_close(staged_state[b].cpu(), want, 1e-10, f"staged state {b}")
+    assert pool[:, 0].isnan().all() and pool[:, 2].isnan().all(), "wrote outside the state's layer"
+    assert staged_pool[:, 0].isnan().all() and staged_pool[:, 2].isnan().all(), "wrote outside the layer"
+
+
 # --------------------------------------------------------------------------------------------------
 # Opcheck and bad input
 # --------------------------------------------------------------------------------------------------
