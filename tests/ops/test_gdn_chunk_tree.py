@@ -180,6 +180,29 @@ def test_chunked_strided_inputs_odd_dims_value_blocks(impl):
         check(impl, (q, k, v, g, beta, state), parents, atol=1e-10, scale=scale, use_qk_l2norm=l2, **kw)
 
 
+def test_kernel_takes_views_of_state_tables(kernel_device):
+    """parents every other column of a wider table, the payload a column slice of a wider buffer, the
+    state a layer slice of a pool, o a strided view: the kernel follows every stride."""
+    d = kernel_device
+    parents = parents_tensor([("random", 9), ("two_roots", 9)], seed=8)
+    batch, n = parents.shape
+    inputs = make_inputs(batch, n, hk=1, hv=2, dk=16, dv=16, seed=8)
+    q, k, v, g, beta, state = (t.to(d) for t in inputs)
+    width = gdn.gdn_payload_width(1, 16, 2, 16)
+    parents_table = torch.full((batch, 2 * n + 1), -7, dtype=torch.int64, device=d)
+    parents_table[:, 1::2] = parents
+    state_view = torch.full((batch, 3, 2, 16, 16), float("nan"), dtype=torch.float64, device=d)[:, 1]
+    state_view.copy_(state)
+    payload_view = poisoned((batch, n, width + 6), torch.float64, d)[:, :, 2 : 2 + width]
+    o_view = poisoned((batch, n, 2, 32), torch.float64, d)[..., ::2]
+    chunked._launch_gdn_tree_verify_chunked(
+        q, k, v, g, beta, state_view, parents_table[:, 1::2], payload_view, o_view, None, True
+    )
+    want_o, want_payload = sequential(*inputs, parents)
+    torch.testing.assert_close(o_view.cpu(), want_o, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(payload_view.cpu(), want_payload, atol=1e-10, rtol=1e-10)
+
+
 def test_chunked_bf16_inputs_fp32_state():
     """bf16 q/k/v/g/beta with an fp32 state (Qwen3-Next's dtypes): o in bf16, math in fp32."""
     parents = parents_tensor([("random", 16)], seed=2)
