@@ -18,6 +18,8 @@ from test_mamba2_tree import (
     accepted_paths,
     chain_oracle,
     check_against_oracle,
+    every_other,
+    every_other_column,
     make_inputs,
     parents_tensor,
     path_to,
@@ -119,6 +121,27 @@ def test_chunked_groups_odd_dims_strided_inputs_options(impl):
         y, payload = run_chunked(impl, *inputs, parents, block_p=16, **opt["kw"])
         tol = 1e-10 if impl == "reference" else 5e-4
         check_against_oracle(impl, inputs, parents, y, payload, atol=tol, **opt["kw"])
+
+
+def test_kernel_takes_views_of_state_tables(kernel_device):
+    """parents every other column of a wider table, strided A, D, dt_bias, the state a transposed layer
+    slice of a pool, the payload a column slice of a wider buffer and y a strided view: the kernel follows
+    every stride."""
+    d = kernel_device
+    parents = parents_tensor([("random", 9), ("deep_fork", 9)], seed=8)
+    batch, n = parents.shape
+    inputs = make_inputs(batch, n, h=2, g=1, p=16, s=16, seed=8, dtype=torch.float32)
+    x, dt, A, B, C, D, dt_bias, state = (t.to(d) for t in inputs)
+    width = m2.mamba2_payload_width(2, 16, 1, 16)
+    state_view = torch.full((batch, 3, 2, 16, 16), float("nan"), device=d)[:, 1].transpose(-1, -2)
+    state_view.copy_(state)
+    payload_view = poisoned((batch, n, width + 6), torch.float32, d)[:, :, 2 : 2 + width]
+    y_view = poisoned((batch, n, 2, 32), torch.float32, d)[..., ::2]
+    chunked._launch_mamba2_tree_verify_chunked(
+        x, dt, every_other(A), B, C, every_other(D), every_other(dt_bias), state_view,
+        every_other_column(parents.to(d)), payload_view, y_view, True, None, None,
+    )  # fmt: skip
+    check_against_oracle("kernel", inputs, parents, y_view.cpu(), payload_view.cpu(), atol=2e-4)
 
 
 @pytest.mark.parametrize("impl", ["reference", "kernel"])
