@@ -82,6 +82,7 @@ def test_float64_reference_path():
         ("heads", r"k, v: expected \[T, 2, 16\]"),
         ("device", "one device"),
         ("v_cache", "v_cache: must match k_cache"),
+        ("cache_head_stride", r"k_cache: the head dim must be contiguous \(stride 1\)"),
     ],
     ids=lambda x: x if isinstance(x, str) and " " not in x else "",
 )
@@ -101,6 +102,8 @@ def test_bad_input(bad, match):
         slots = slots.to("meta")
     elif bad == "v_cache":
         vc = torch.zeros(12, 2, 8)
+    elif bad == "cache_head_stride":  # the kernel stores D contiguous elements per head
+        kc, vc = torch.zeros(12, 2, 32)[:, :, ::2], torch.zeros(12, 2, 32)[:, :, ::2]
     with pytest.raises(ValueError, match=match):
         torch.ops.treespec.kv_write(kc, vc, k, v, slots)
 
@@ -139,3 +142,19 @@ def test_strided_slots_as_the_pass_flattens_them(kernel_device):
     _launch_kv_write(kc, vc, k.to(d), v.to(d), slots.to(d))
     assert torch.equal(kc.cpu()[slots], k) and torch.equal(vc.cpu()[slots], v)
     assert kc.cpu().isnan().sum() == (num_slots - B) * H * D
+
+
+def test_strided_rows_and_cache_halves(kernel_device):
+    """k, v views with every dim strided, written into the K and V halves of one [num_slots, 2, H, D] cache
+    (row stride 2 * H * D): the kernel follows the rows' strides and the caches' slot and head strides."""
+    T, H, D, num_slots = 5, 2, 16, 40
+    k, v, slots = _case(T, H, D, num_slots, torch.float32, seed=2)
+    d = kernel_device
+    k_wide = torch.full((T, 2 * H, 2 * D), float("nan"), device=d)
+    k_wide[:, ::2, ::2] = k
+    v_wide = torch.full((T, H, 3 * D), float("nan"), device=d)
+    v_wide[:, :, 5 : 5 + D] = v
+    kv = torch.full((num_slots, 2, H, D), float("nan"), device=d)
+    _launch_kv_write(kv[:, 0], kv[:, 1], k_wide[:, ::2, ::2], v_wide[:, :, 5 : 5 + D], slots.to(d))
+    assert torch.equal(kv[:, 0].cpu()[slots], k) and torch.equal(kv[:, 1].cpu()[slots], v)
+    assert kv.cpu().isnan().sum() == (num_slots - T) * 2 * H * D
