@@ -99,7 +99,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     M = x.numel() // K if K else 0
     if (
         x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and weight.dim() == 2
-        and 1 <= M <= MAX_ROWS and (K == 1 or weight.stride(1) == 1)
+        and 1 <= M <= MAX_ROWS and (K == 1 or (weight.stride(1) == 1 and x.stride(-1) == 1))
         and (bias is None or bias.dtype == x.dtype) and measured_tiles(M, weight.shape[0], K) is not None
     ):  # fmt: skip
         out = torch.ops.treespec.skinny_linear(x.reshape(M, K), weight, bias)
