@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Follow tests/gpu/pipeline.sh for up to $1 seconds (default 540), then collect what it has made into $OUT:
-# results.tar.gz (logs, JSON, PNG) and, once trained, the chosen head split into <16 MB parts.
+# results.tar.gz (logs, JSON, PNG; refreshed at every new stage, so a call cut short by the device's
+# time limit still returns what was done) and, once trained, the chosen head split into <16 MB parts.
 P=${P:-/tmp/pipe}
 OUT=${OUT:-/tmp/out}
 limit=${1:-540}
@@ -8,12 +9,15 @@ t0=$(date +%s)
 seen=0
 while [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
   n=$(wc -l < "$P/stages.log" 2>/dev/null || echo 0)
-  if [ "$n" -gt "$seen" ]; then sed -n "$((seen + 1)),${n}p" "$P/stages.log"; seen=$n; fi
+  if [ "$n" -gt "$seen" ]; then
+    sed -n "$((seen + 1)),${n}p" "$P/stages.log"; seen=$n
+    mkdir -p "$OUT" && tar czf "$OUT/results.tar.gz" -C "$P" . 2>/dev/null  # a call cut short still brings these back
+  fi
   grep -q DONE "$P/stages.log" 2>/dev/null && break
   sleep 10
 done
 for f in "$P"/train*.log; do [ -f "$f" ] && { echo "--- $f"; tr '\r' '\n' < "$f" | grep -v "^$" | tail -4; }; done
-for f in "$P"/gpu_spec_tests.log "$P"/gpu_tests.log "$P"/new_tests.log "$P"/skinny_sweep.log "$P"/ab5.log "$P"/rounds_main.log "$P"/rounds_both.log "$P"/e2e_main.log "$P"/e2e_both.log "$P"/e2e_skinny.log "$P"/ab3.log "$P"/round_gaps.log "$P"/loop.log "$P"/head_tau.log "$P"/e2e_b1.log "$P"/e2e_fp32.log "$P"/rounds.log "$P"/loop.log "$P"/sweep.log "$P"/linear.log "$P"/e2e_b416.log "$P"/demo.log "$P"/attention.log; do
+for f in "$P"/gpu_spec_tests.log "$P"/gpu_tests.log "$P"/new_tests.log "$P"/skinny_sweep.log "$P"/ab5.log "$P"/rounds_main.log "$P"/rounds_both.log "$P"/e2e_main.log "$P"/e2e_both.log "$P"/e2e_skinny.log "$P"/rounds_combo.log "$P"/ab3.log "$P"/round_gaps.log "$P"/loop.log "$P"/head_tau.log "$P"/e2e_b1.log "$P"/e2e_fp32.log "$P"/rounds.log "$P"/loop.log "$P"/sweep.log "$P"/linear.log "$P"/e2e_b416.log "$P"/demo.log "$P"/attention.log; do
   [ -f "$f" ] && { echo "--- $f"; tail -25 "$f"; }
 done
 mkdir -p "$OUT"
