@@ -35,10 +35,11 @@ if HAS_TRITON:
 
 __all__ = [
     "skinny_linear", "skinny_linear_reference", "linear_rows", "SkinnyConfig", "choose_skinny_config",
-    "measured_tiles", "register_tiles", "MAX_ROWS",
+    "measured_tiles", "register_tiles", "gemv_config", "MAX_ROWS", "GEMV_MAX_ROWS",
 ]
 
 MAX_ROWS = 64
+GEMV_MAX_ROWS = 8  # the multiply-add (gemv) kernel's rows: its accumulator is [BLOCK_M, BLOCK_N, BLOCK_K]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -114,23 +115,30 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Tiles of one launch: BLOCK_M rows (>= 16, the MMA's least), BLOCK_N output features a program,
-    BLOCK_K of the reduction dim a step."""
+    """Tiles of one launch: BLOCK_M rows, BLOCK_N output features a program, BLOCK_K of the reduction dim a
+    step. ``gemv=False``: the MMA kernel (BLOCK_M >= 16, the MMA's least). ``gemv=True``: the multiply-add
+    kernel for M <= GEMV_MAX_ROWS (BLOCK_M = M rounded up to a power of two, any BLOCK_N >= 1: no 16-row
+    MMA padding, and narrow slices put many programs in flight). ``pdl``: launch the gemv kernel as a
+    programmatic dependent launch (sm90+): its programs start while the previous kernel drains and stream
+    their first weight tile before waiting for it (the weights never depend on the previous kernel)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False
+    pdl: bool = False
 
 
 # Measured on the H200 by tests/gpu/skinny_sweep.py (bf16, cold weights: each call reads another copy, as a
 # forward does; notes/gpu-2026-12-01-s10/skinny_sweep.json). (M, N, K): the best tiles (block_n, block_k,
-# num_warps, num_stages), their time and cuBLAS's in us. Where cuBLAS was as fast the shape stays on it:
+# num_warps, num_stages), their time and cuBLAS's in us, and optionally the kernel ("dot", the default;
+# "gemv"; "gemv_pdl": gemv as a programmatic dependent launch). Where cuBLAS was as fast the shape stays on it:
 # Triton wins the small, latency-bound layers (SmolLM2's 0.6-3.5 MB projections, 3-11%) and the 64-row
 # GEMMs over big weights (8B gate/up, down, LM head: 5-7%); cuBLAS wins 1-4 row GEMMs over large-K weights
 # (8B down, the 8B head's fc: 8-17%) and the 1-8 row vocabulary projections of SmolLM2.
-_MEASURED: dict[tuple[int, int, int], tuple[int, int, int, int, float, float]] = {
+_MEASURED: dict[tuple[int, int, int], tuple] = {
     (1, 960, 576): (32, 128, 4, 4, 3.63, 3.98),  # SmolLM2 qkv
     (1, 576, 576): (16, 128, 4, 4, 3.19, 3.38),  # SmolLM2 o
     (1, 3072, 576): (64, 128, 4, 4, 4.32, 4.06),  # SmolLM2 gate/up
@@ -169,6 +177,7 @@ _MEASURED: dict[tuple[int, int, int], tuple[int, int, int, int, float, float]] =
     (4, 32000, 4096): (128, 256, 4, 3, 64.06, 66.09),
 }
 WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise of the sweep is ~1%)
+KINDS = ("dot", "gemv", "gemv_pdl")
 
 
 def _band(M: int) -> int:
@@ -185,9 +194,14 @@ def register_tiles(rows) -> int:
         best = r.get("best")
         if not best:
             continue
+        kind = best.get("kind", "dot")
+        if kind not in KINDS:
+            raise ValueError(f"rows: best.kind must be one of {KINDS}, got {kind!r} for {r['M'], r['N'], r['K']}")
+        if kind != "dot" and int(r["M"]) > GEMV_MAX_ROWS:
+            raise ValueError(f"rows: a {kind} entry needs M <= {GEMV_MAX_ROWS}, got M={r['M']}")
         _MEASURED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
-            float(best["us"]), float(r["cublas_us"]),
+            float(best["us"]), float(r["cublas_us"]), kind,
         )  # fmt: skip
         added += 1
     return added
@@ -200,9 +214,16 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     swept = [(m, v) for (m, n, k), v in _MEASURED.items() if n == N and k == K and _band(m) == _band(M)]
     if not swept:
         return None
-    _, (block_n, block_k, warps, stages, us, cublas_us) = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
+    _, entry = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
+    block_n, block_k, warps, stages, us, cublas_us = entry[:6]
+    kind = entry[6] if len(entry) > 6 else "dot"
     if us > WIN_MARGIN * cublas_us:
         return None
+    if kind != "dot":
+        if M > GEMV_MAX_ROWS:  # a gemv measured at fewer rows does not stand in for this many
+            return None
+        return gemv_config(M, N, K, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+                           pdl=kind == "gemv_pdl")  # fmt: skip
     return choose_skinny_config(M, N, K, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
 
 
@@ -221,11 +242,25 @@ def choose_skinny_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
     return SkinnyConfig(**cfg)
 
 
+def gemv_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
+    """Tiles for the gemv kernel (M <= GEMV_MAX_ROWS): all rows in one program, 8-wide slices of the output
+    features (N / 8 programs: 512 for a 4096-wide layer, so every SM has several), 512-wide K steps."""
+    if not 1 <= M <= GEMV_MAX_ROWS:
+        raise ValueError(f"M: the gemv kernel takes 1..{GEMV_MAX_ROWS} rows, got {M}")
+    block_k = min(512, max(16, triton.next_power_of_2(K)))
+    cfg = dict(block_m=triton.next_power_of_2(M), block_n=8, block_k=block_k, gemv=True)
+    cfg.update(override)
+    return SkinnyConfig(**cfg)
+
+
 def _launch_skinny_linear(x, weight, bias, out, config: SkinnyConfig | None = None) -> None:
     """Fill preallocated ``out [M, N]`` (any row stride, last dim contiguous)."""
     M, K = x.shape
     N = weight.shape[0]
     cfg = config or measured_tiles(M, N, K) or choose_skinny_config(M, N, K)
+    if cfg.gemv:
+        _launch_gemv(x, weight, bias, out, cfg)
+        return
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
@@ -272,6 +307,64 @@ if HAS_TRITON:
             acc += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig) -> None:
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > cfg.block_m:
+        raise ValueError(f"config: the gemv kernel's block_m={cfg.block_m} must cover x's M={M}")
+    pdl = cfg.pdl and x.device.type == "cuda"  # the interpreter (CPU) has no grid-dependency control
+    extra = dict(launch_pdl=True) if pdl else {}
+    _skinny_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, out,
+        M, N, K, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None, USE_PDL=pdl,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )  # fmt: skip
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _skinny_gemv_kernel(
+        x, w, b, out, M, N, K, s_xm, s_wn, s_om, s_b,
+        HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Program (n slice): out[:, n slice] = x @ w[n slice].T (+ bias), by multiply-add on CUDA cores.
+
+        A 1-row GEMM is a weight stream: 2 FLOPs a loaded element, nothing for tensor cores to win, and a
+        16-row MMA tile would be 15/16 padding. Each step multiplies a [BLOCK_N, BLOCK_K] weight tile into a
+        [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator; the K reduction runs once, after the loop. The
+        next weight tile is loaded before the current one is used (a software double buffer), and under
+        PDL the first tile is loaded before ``gdc_wait``: x and out's memory may belong to the previous
+        kernel, the weights never do. (Loads issued ahead of the dependency wait: the programmatic
+        dependent launch section of the CUDA programming guide.)"""
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + rk[None, :]
+        x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + rk[None, :]
+        wt = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # everything below may read or overwrite the previous kernel's memory
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xt = tl.load(x_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0).to(tl.float32)
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=((k0 + BLOCK_K + rk) < K)[None, :], other=0.0)
+            acc += xt[:, None, :] * wt.to(tl.float32)[None, :, :]
+            wt = w_next
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=2)
+        if HAS_BIAS:
+            y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
+        tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,6 +8,12 @@ shape: cuBLAS, the default tiles (`choose_skinny_config`), and the best of a til
 checked against F.linear first.
 
     python3 tests/gpu/skinny_sweep.py out.json [quick|full|smoke]   # 6 / 24 (default) / 144 tile configs a shape
+    python3 tests/gpu/skinny_sweep.py out.json gemv|gemv-smoke
+
+``gemv``: only the shapes of <= 8 rows; per shape cuBLAS, the MMA kernel with the shipped table's tiles (or
+the default), the gemv (multiply-add) kernel over its tile grid, and the three best gemv tiles again as
+programmatic dependent launches (each call's programs start while the previous call drains). Rows carry
+``best.kind`` ("dot" / "gemv" / "gemv_pdl") for ``register_tiles``.
 """
 
 import itertools
@@ -18,7 +24,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from treecompile.ops.skinny_linear import _launch_skinny_linear, choose_skinny_config
+from treecompile.ops.skinny_linear import (
+    GEMV_MAX_ROWS, _launch_skinny_linear, choose_skinny_config, gemv_config, measured_tiles,
+)
 
 SMOL = [("smol qkv", 960, 576), ("smol o", 576, 576), ("smol gate_up", 3072, 576), ("smol down", 576, 1536)]
 SMOL_HEAD = [("head fc", 576, 1728), ("head lm", 8192, 576)]
@@ -68,11 +76,16 @@ def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "skinny_sweep.json"
     mode = sys.argv[2] if len(sys.argv) > 2 else ""
     quick, full = mode == "quick", mode in ("full", "smoke")
+    gemv = mode in ("gemv", "gemv-smoke")
     cases = CASES
-    if mode == "smoke":  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+    if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
+        cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
+    if mode in ("smoke", "gemv-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
         global DEVICE, DTYPE, L2_BYTES
         # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
+        if gemv:
+            cases = [(1, "smoke a", 40, 72), (3, "smoke c", 24, 64)]
     torch.manual_seed(0)
     results = []
     t0 = time.time()
@@ -85,22 +98,32 @@ def main() -> None:
         want = F.linear(x.float(), ws[0].float())
         row = dict(M=M, label=label, N=N, K=K, copies=copies)
         row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
-        default = choose_skinny_config(M, N, K)
-        bm = default.block_m
+        default = (measured_tiles(M, N, K) if gemv else None) or choose_skinny_config(M, N, K)
         sweep = [default]
         grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4))  # 24 configs
         if full:
             grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4, 5))
         elif quick:
             grid = itertools.product((16, 32, 64), (128,), (4,), (3, 4))
+        if gemv:
+            # the [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator: at most 16k elements (64 a thread at 8 warps)
+            grid = [(bn, bk, w, st) for bn, bk, w, st in itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 3))
+                    if max(1, 1 << (M - 1).bit_length()) * bn * bk <= 16384]  # fmt: skip
+            if mode == "gemv-smoke":
+                grid = [(4, 16, 4, 2), (8, 32, 4, 3)]
         for bn, bk, warps, stages in grid:
             if bk > max(16, 1 << (K - 1).bit_length()):
                 continue
-            sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
+            kw = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+            sweep.append(gemv_config(M, N, K, **kw) if gemv else choose_skinny_config(M, N, K, **kw))
         configs = []
-        for cfg in dict.fromkeys(sweep):
-            entry = dict(block_m=bm, block_n=cfg.block_n, block_k=cfg.block_k, warps=cfg.num_warps,
-                         stages=cfg.num_stages)  # fmt: skip
+
+        def kind(cfg):
+            return "gemv_pdl" if cfg.pdl else "gemv" if cfg.gemv else "dot"
+
+        def run(cfg):
+            entry = dict(block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, warps=cfg.num_warps,
+                         stages=cfg.num_stages, kind=kind(cfg))  # fmt: skip
             try:
                 _launch_skinny_linear(x, ws[0], None, outs[0], config=cfg)
                 err = (outs[0].float() - want).abs().max().item()
@@ -112,6 +135,14 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001  (resources a tile does not fit: recorded, the sweep goes on)
                 entry["error"] = repr(exc)[:200]
             configs.append(entry)
+
+        for cfg in dict.fromkeys(sweep):
+            run(cfg)
+        if gemv:  # the three best gemv tiles again, as dependent launches
+            best_gemv = sorted((c for c in configs if "us" in c and c["kind"] == "gemv"), key=lambda c: c["us"])[:3]
+            for c in best_gemv:
+                run(gemv_config(M, N, K, block_n=c["block_n"], block_k=c["block_k"], num_warps=c["warps"],
+                                num_stages=c["stages"], pdl=True))  # fmt: skip
         timed = [c for c in configs if "us" in c]
         row["default"] = configs[0]
         row["best"] = min(timed, key=lambda c: c["us"]) if timed else None

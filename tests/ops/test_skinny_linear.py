@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import poisoned
-from treecompile.ops.skinny_linear import MAX_ROWS, _launch_skinny_linear, choose_skinny_config
+from treecompile.ops.skinny_linear import MAX_ROWS, _launch_skinny_linear, choose_skinny_config, gemv_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -84,6 +84,45 @@ def test_bias_column_of_a_wider_table(kernel_device):
     _check(out.cpu(), x, w, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "M,N,K,bias,block_n,block_k",
+    [(1, 40, 64, False, 8, 32), (3, 17, 50, True, 4, 16), (8, 33, 96, True, 16, 64), (5, 9, 200, False, 2, 128)],
+)
+def test_gemv_matches_float64_linear(dtype, M, N, K, bias, block_n, block_k):
+    """The multiply-add kernel: N not a multiple of the slice, K not a multiple of the step (the double
+    buffer's masked last tile), rows padded up to a power of two."""
+    x, w, b = _inputs(M, N, K, dtype, bias, seed=M * 100 + N)
+    out = poisoned((M, N), dtype)
+    _launch_skinny_linear(x, w, b, out, config=gemv_config(M, N, K, block_n=block_n, block_k=block_k))
+    _check(out, x, w, b)
+
+
+def test_gemv_strided_rows_views_and_pdl_config(kernel_device):
+    """Strided x / out rows, a weight row view, a bias column; a ``pdl`` config runs too (the interpreter
+    ignores it; on the GPU it is a dependent launch after the previous kernel)."""
+    d = kernel_device
+    x_wide, w_all, b = _inputs(3, 60, 40, torch.float32, True)
+    x = torch.cat([x_wide, torch.full((3, 8), float("nan"))], 1)[:, :40]
+    w = w_all[20:44]
+    table = torch.full((60, 4), 1e6)
+    table[:, 1] = b
+    out_wide = poisoned((3, 30), torch.float32, d)
+    out = out_wide[:, :24]
+    cfg = gemv_config(3, 24, 40, block_n=8, block_k=16, pdl=True)
+    _launch_skinny_linear(x.to(d), w.to(d), table[20:44, 1].to(d), out, config=cfg)
+    _check(out.cpu(), x_wide, w, b[20:44])
+    assert out_wide[:, 24:].isnan().all(), "wrote past the output's columns"
+
+
+def test_gemv_config_refuses_too_many_rows():
+    with pytest.raises(ValueError, match="M: the gemv kernel takes 1..8 rows"):
+        gemv_config(9, 16, 16)
+    x, w, _ = _inputs(4, 16, 16, torch.float32, False)
+    with pytest.raises(ValueError, match="block_m=2 must cover"):
+        _launch_skinny_linear(x, w, None, torch.empty(4, 16), config=gemv_config(2, 16, 16))
+
+
 def test_op_on_cpu_is_the_reference_and_traces():
     x, w, b = _inputs(4, 12, 20, torch.float32, True)
     assert torch.equal(torch.ops.treespec.skinny_linear(x, w, b), F.linear(x, w, b))
@@ -115,16 +154,26 @@ def test_bad_input_names_the_argument(make, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("M,N,K", [(1, 960, 576), (8, 8192, 576), (64, 3072, 576), (1, 6144, 4096), (3, 100, 70)])
-def test_gpu_matches_float64_and_replays_in_a_graph(dtype, M, N, K):
+@pytest.mark.parametrize("kind", ["table", "gemv", "gemv_pdl"])
+def test_gpu_matches_float64_and_replays_in_a_graph(dtype, M, N, K, kind):
+    """Each kernel in a CUDA graph, after another kernel that writes x (so a dependent launch that read x
+    before its wait would read stale rows), replayed with new x."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    if kind != "table" and M > 8:
+        pytest.skip("the gemv kernel takes <= 8 rows")
+    cfg = None if kind == "table" else gemv_config(M, N, K, pdl=kind == "gemv_pdl")
     x, w, b = (t.cuda() if t is not None else None for t in _inputs(M, N, K, dtype, bias=N % 2 == 1))
-    out = torch.ops.treespec.skinny_linear(x, w, b)
+    src = torch.randn_like(x)
+    out = torch.empty(M, N, device="cuda", dtype=dtype)
+    _launch_skinny_linear(x, w, b, out, config=cfg)
     _check(out, x, w, b)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.treespec.skinny_linear(x, w, b)
-    x.copy_(torch.randn_like(x))
+        x.copy_(src * 2)  # the previous kernel writes x
+        _launch_skinny_linear(x, w, b, out, config=cfg)
+    src.copy_(torch.randn_like(src))
+    out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    _check(captured, x, w, b)
+    _check(out, src * 2, w, b)

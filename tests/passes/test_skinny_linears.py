@@ -79,6 +79,23 @@ def test_measured_tiles_bands_and_nearest_row_count(monkeypatch):
     assert measured_tiles(40, 100, 200).block_m == 64
 
 
+def test_measured_gemv_kinds(monkeypatch):
+    """A sweep's gemv / gemv_pdl winners come back as gemv configs for their band's row counts <= 8;
+    above 8 rows a gemv entry does not stand in; a bad kind is refused by name."""
+    monkeypatch.setattr(skinny_op, "_MEASURED", {})
+    row = lambda M, kind: dict(M=M, N=100, K=200, cublas_us=10.0, best=dict(block_n=4, block_k=128, warps=8, stages=2, us=8.0, kind=kind))  # noqa: E731
+    assert register_tiles([row(1, "gemv_pdl"), row(4, "gemv")]) == 2
+    cfg = measured_tiles(1, 100, 200)
+    assert (cfg.gemv, cfg.pdl, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) == (True, True, 1, 4, 128, 8)
+    cfg = measured_tiles(7, 100, 200)  # M=4's gemv entry, rows rounded up to 8
+    assert (cfg.gemv, cfg.pdl, cfg.block_m) == (True, False, 8)
+    assert measured_tiles(12, 100, 200) is None  # same band, but past the gemv kernel's rows: cuBLAS
+    with pytest.raises(ValueError, match="best.kind must be one of"):
+        register_tiles([row(1, "wgmma")])
+    with pytest.raises(ValueError, match="needs M <= 8"):
+        register_tiles([row(16, "gemv")])
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_few_row_linears_become_skinny_calls_with_identical_values(cpu_counts, rows):
     args = inputs(rows)
