@@ -7,6 +7,9 @@ OUT=${OUT:-/tmp/out}
 limit=${1:-540}
 t0=$(date +%s)
 seen=0
+# A bare machine (the device was released, and the daemon with it): say so at once instead of waiting out
+# the limit on nothing (the eleventh session lost 570 s that way).
+[ -f "$P/stages.log" ] || { echo "no $P/stages.log: the daemon is gone (machine released?)"; exit 3; }
 while [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
   n=$(wc -l < "$P/stages.log" 2>/dev/null || echo 0)
   if [ "$n" -gt "$seen" ]; then
