@@ -9,12 +9,20 @@ program per slice, the reduction dim streamed in BLOCK_K chunks, has a short pro
 programs in flight. Whether it wins, and with which tiles, is measured by ``tests/gpu/skinny_sweep.py`` on
 cold weights (each call reads a different copy, as a forward does).
 
+Two kernels: the MMA tiles above (16-64 rows), and for <= 8 rows a multiply-add "gemv" kernel (no 16-row
+MMA padding; 4-8 wide output slices, so a 576-wide layer still has 144 programs), optionally launched as a
+programmatic dependent launch: its programs become resident while the previous kernel drains, which is
+most of the win on small layers (SmolLM2's 1-row o projection: 3.35 us cuBLAS, 1.99 us gemv_pdl).
+
 Shapes
 ------
 x      [M, K]  float16 / bfloat16 / float32; 1 <= M <= MAX_ROWS; last dim contiguous, any row stride
 weight [N, K]  x's dtype, contiguous (an ``nn.Linear`` weight, or a view of rows of one)
 bias   [N] or None, any stride
 out    [M, N]  x's dtype; accumulated in float32 (float32 inputs: IEEE products, no TF32)
+constant_weight  bool: the weight is a parameter or constant, never written by the kernel just before
+       this one. Only then may a programmatic dependent launch (a ``gemv_pdl`` tile entry) read its first
+       weight tile before waiting for that kernel; otherwise it waits first. Default False (always safe).
 
 Results equal ``F.linear`` up to summation order (a different kernel: not bitwise equal to cuBLAS).
 Only metadata is checked at the boundary: no host sync, safe under CUDA-graph capture.
@@ -49,18 +57,20 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @torch.library.custom_op("treespec::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, constant_weight: bool = False
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M <= 64, K]`` (see the module docstring)."""
     _check_inputs(x, weight, bias)
     if use_triton(x, weight, *([bias] if bias is not None else [])):
         out = x.new_empty((x.shape[0], weight.shape[0]))
-        _launch_skinny_linear(x, weight, bias, out)
+        _launch_skinny_linear(x, weight, bias, out, constant_weight=constant_weight)
         return out
     return skinny_linear_reference(x, weight, bias)
 
 
 @skinny_linear.register_fake
-def _(x, weight, bias=None):
+def _(x, weight, bias=None, constant_weight=False):
     _check_inputs(x, weight, bias)
     return x.new_empty((x.shape[0], weight.shape[0]))
 
@@ -91,11 +101,14 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     check_same_device(**devices)
 
 
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, constant_weight: bool = False
+) -> torch.Tensor:
     """``F.linear(x [..., K], weight, bias)``, through ``skinny_linear`` where it applies and pays: 16-bit
     CUDA inputs of at most ``MAX_ROWS`` rows (the product of the leading dims), a weight with a contiguous
     last dim, and a shape the sweep measured faster than cuBLAS (``measured_tiles``). Everything else (CPU,
-    float32, more rows, unmeasured or cuBLAS-won shapes) runs ``F.linear``. Static metadata only."""
+    float32, more rows, unmeasured or cuBLAS-won shapes) runs ``F.linear``. Static metadata only.
+    ``constant_weight``: see the module docstring (True for a module's own weights)."""
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     if (
@@ -103,7 +116,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and 1 <= M <= MAX_ROWS and (K == 1 or (weight.stride(1) == 1 and x.stride(-1) == 1))
         and (bias is None or bias.dtype == x.dtype) and measured_tiles(M, weight.shape[0], K) is not None
     ):  # fmt: skip
-        out = torch.ops.treespec.skinny_linear(x.reshape(M, K), weight, bias)
+        out = torch.ops.treespec.skinny_linear(x.reshape(M, K), weight, bias, constant_weight)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
@@ -132,49 +145,52 @@ class SkinnyConfig:
 
 
 # Measured on the H200 by tests/gpu/skinny_sweep.py (bf16, cold weights: each call reads another copy, as a
-# forward does; notes/gpu-2026-12-01-s10/skinny_sweep.json). (M, N, K): the best tiles (block_n, block_k,
-# num_warps, num_stages), their time and cuBLAS's in us, and optionally the kernel ("dot", the default;
-# "gemv"; "gemv_pdl": gemv as a programmatic dependent launch). Where cuBLAS was as fast the shape stays on it:
-# Triton wins the small, latency-bound layers (SmolLM2's 0.6-3.5 MB projections, 3-11%) and the 64-row
-# GEMMs over big weights (8B gate/up, down, LM head: 5-7%); cuBLAS wins 1-4 row GEMMs over large-K weights
-# (8B down, the 8B head's fc: 8-17%) and the 1-8 row vocabulary projections of SmolLM2.
+# forward does). M = 64: notes/gpu-2026-12-01-s10/skinny_sweep.json; M <= 8, the MMA tiles against the gemv
+# kernel, plain and as a dependent launch: notes/gpu-2026-12-01-s11/gemv_sweep.json. (M, N, K): the best
+# tiles (block_n, block_k, num_warps, num_stages), their time and cuBLAS's in us, and the kernel when not
+# the MMA one ("gemv"; "gemv_pdl": gemv as a programmatic dependent launch). Where cuBLAS was as fast, the
+# shape stays on it. Triton wins SmolLM2's 1-row projections by 17-48% (gemv_pdl: cuBLAS's small GEMMs cost
+# a fixed ~3.3-5 us), its 8-row ones by 4-8% (MMA tiles), the 8B o projection at 1 row by 14% (gemv_pdl)
+# and the 64-row GEMMs over big weights (8B gate/up, down, LM head) by 5-7%. cuBLAS keeps the 8B qkv,
+# gate/up and down at 1-4 rows (the gemv kernel streams them at 3.1-3.7 TB/s against cuBLAS's 3.2-4.1),
+# the heads' vocabulary projections, and the 4-row GEMMs.
 _MEASURED: dict[tuple[int, int, int], tuple] = {
-    (1, 960, 576): (32, 128, 4, 4, 3.63, 3.98),  # SmolLM2 qkv
-    (1, 576, 576): (16, 128, 4, 4, 3.19, 3.38),  # SmolLM2 o
-    (1, 3072, 576): (64, 128, 4, 4, 4.32, 4.06),  # SmolLM2 gate/up
-    (1, 576, 1536): (16, 256, 4, 4, 4.99, 5.02),  # SmolLM2 down
-    (8, 960, 576): (32, 128, 4, 4, 3.54, 3.71),
-    (8, 576, 576): (16, 128, 4, 4, 3.18, 3.45),
-    (8, 3072, 576): (32, 128, 4, 4, 4.00, 4.12),
-    (8, 576, 1536): (32, 256, 4, 4, 4.61, 5.02),
+    (1, 960, 576): (4, 1024, 4, 2, 2.07, 3.98, "gemv_pdl"),  # SmolLM2 qkv
+    (1, 576, 576): (4, 1024, 4, 2, 1.99, 3.35, "gemv_pdl"),  # SmolLM2 o
+    (1, 3072, 576): (4, 512, 4, 3, 3.37, 4.08, "gemv_pdl"),  # SmolLM2 gate/up
+    (1, 576, 1536): (4, 1024, 8, 2, 3.17, 5.10, "gemv_pdl"),  # SmolLM2 down
+    (8, 960, 576): (32, 128, 4, 4, 3.48, 3.67),
+    (8, 576, 576): (16, 128, 4, 4, 3.14, 3.36),
+    (8, 3072, 576): (32, 128, 4, 4, 3.95, 4.11),
+    (8, 576, 1536): (32, 256, 4, 4, 4.58, 4.98),
     (64, 960, 576): (16, 128, 4, 4, 3.58, 3.77),
     (64, 576, 576): (16, 128, 4, 4, 3.31, 3.72),
     (64, 3072, 576): (32, 128, 4, 4, 4.28, 4.38),
     (64, 576, 1536): (16, 256, 4, 4, 4.85, 5.15),
-    (1, 49152, 576): (128, 128, 4, 3, 17.96, 16.51),  # SmolLM2 LM head
+    (1, 49152, 576): (128, 128, 4, 3, 18.04, 16.80),  # SmolLM2 LM head
     (64, 49152, 576): (128, 64, 4, 3, 18.73, 19.18),
-    (1, 576, 1728): (16, 256, 4, 4, 5.45, 5.32),  # SmolLM2 draft head: fc
-    (8, 576, 1728): (16, 256, 4, 4, 5.44, 5.29),
-    (1, 8192, 576): (128, 128, 4, 4, 5.63, 5.07),  # SmolLM2 draft head: LM head (8k draft vocabulary)
-    (8, 8192, 576): (64, 128, 4, 4, 5.32, 5.16),
-    (1, 6144, 4096): (64, 256, 4, 4, 17.74, 16.49),  # Llama-8B qkv
-    (1, 4096, 4096): (64, 256, 4, 4, 13.79, 13.64),  # Llama-8B o
-    (1, 28672, 4096): (128, 256, 4, 3, 60.88, 61.34),  # Llama-8B gate/up
-    (1, 4096, 14336): (64, 256, 4, 4, 38.32, 32.64),  # Llama-8B down
-    (4, 6144, 4096): (64, 256, 4, 4, 17.16, 16.29),
-    (4, 4096, 4096): (64, 256, 4, 4, 12.85, 13.40),
-    (4, 28672, 4096): (128, 128, 4, 4, 60.42, 60.73),
-    (4, 4096, 14336): (64, 256, 4, 4, 36.31, 32.85),
+    (1, 576, 1728): (4, 1024, 8, 2, 3.24, 5.23, "gemv_pdl"),  # SmolLM2 draft head: fc
+    (8, 576, 1728): (4, 512, 4, 2, 6.35, 5.24, "gemv_pdl"),
+    (1, 8192, 576): (8, 256, 4, 3, 5.96, 5.02, "gemv_pdl"),  # SmolLM2 draft head: LM head (8k draft vocabulary)
+    (8, 8192, 576): (16, 128, 4, 3, 8.40, 5.14),
+    (1, 6144, 4096): (8, 256, 8, 3, 16.43, 15.77, "gemv_pdl"),  # Llama-8B qkv
+    (1, 4096, 4096): (4, 512, 4, 3, 11.54, 13.38, "gemv_pdl"),  # Llama-8B o
+    (1, 28672, 4096): (4, 512, 4, 3, 62.69, 57.07, "gemv_pdl"),  # Llama-8B gate/up
+    (1, 4096, 14336): (4, 512, 4, 2, 34.78, 32.30, "gemv"),  # Llama-8B down
+    (4, 6144, 4096): (4, 512, 4, 3, 27.89, 16.29, "gemv_pdl"),
+    (4, 4096, 4096): (64, 256, 4, 4, 13.12, 13.31),
+    (4, 28672, 4096): (64, 128, 4, 3, 65.57, 57.23),
+    (4, 4096, 14336): (4, 256, 4, 3, 57.45, 32.55, "gemv_pdl"),
     (64, 6144, 4096): (32, 128, 4, 4, 17.70, 16.76),
     (64, 4096, 4096): (32, 256, 4, 4, 12.79, 12.59),
     (64, 28672, 4096): (128, 64, 4, 4, 60.22, 64.28),
     (64, 4096, 14336): (32, 256, 4, 4, 34.43, 36.22),
-    (1, 128256, 4096): (128, 256, 4, 4, 234.76, 239.65),  # Llama-8B LM head
+    (1, 128256, 4096): (128, 256, 4, 4, 238.39, 247.44),  # Llama-8B LM head
     (64, 128256, 4096): (128, 128, 4, 4, 254.53, 272.44),
-    (1, 4096, 12288): (64, 256, 4, 4, 33.88, 30.56),  # 8B EAGLE-3 head: fc
-    (4, 4096, 12288): (64, 256, 4, 4, 31.90, 29.65),
-    (1, 32000, 4096): (128, 256, 4, 3, 64.68, 65.66),  # 8B EAGLE-3 head: LM head (32k draft vocabulary)
-    (4, 32000, 4096): (128, 256, 4, 3, 64.06, 66.09),
+    (1, 4096, 12288): (4, 512, 4, 2, 30.82, 30.35, "gemv_pdl"),  # 8B EAGLE-3 head: fc
+    (4, 4096, 12288): (4, 512, 8, 3, 52.06, 30.91, "gemv_pdl"),
+    (1, 32000, 4096): (4, 512, 4, 2, 70.05, 66.65, "gemv_pdl"),  # 8B EAGLE-3 head: LM head (32k draft vocabulary)
+    (4, 32000, 4096): (128, 256, 4, 3, 66.56, 67.59),
 }
 WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise of the sweep is ~1%)
 KINDS = ("dot", "gemv", "gemv_pdl")
@@ -253,13 +269,15 @@ def gemv_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
     return SkinnyConfig(**cfg)
 
 
-def _launch_skinny_linear(x, weight, bias, out, config: SkinnyConfig | None = None) -> None:
+def _launch_skinny_linear(
+    x, weight, bias, out, config: SkinnyConfig | None = None, constant_weight: bool = False
+) -> None:
     """Fill preallocated ``out [M, N]`` (any row stride, last dim contiguous)."""
     M, K = x.shape
     N = weight.shape[0]
     cfg = config or measured_tiles(M, N, K) or choose_skinny_config(M, N, K)
     if cfg.gemv:
-        _launch_gemv(x, weight, bias, out, cfg)
+        _launch_gemv(x, weight, bias, out, cfg, constant_weight)
         return
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
     _skinny_linear_kernel[grid](
@@ -309,7 +327,7 @@ if HAS_TRITON:
         tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig) -> None:
+def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool) -> None:
     M, K = x.shape
     N = weight.shape[0]
     if M > cfg.block_m:
@@ -319,7 +337,7 @@ def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig) -> None:
     _skinny_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, USE_PDL=pdl,
+        HAS_BIAS=bias is not None, USE_PDL=pdl, PREFETCH=pdl and constant_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
@@ -330,7 +348,7 @@ if HAS_TRITON:
     @triton.jit
     def _skinny_gemv_kernel(
         x, w, b, out, M, N, K, s_xm, s_wn, s_om, s_b,
-        HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+        HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program (n slice): out[:, n slice] = x @ w[n slice].T (+ bias), by multiply-add on CUDA cores.
@@ -338,10 +356,11 @@ if HAS_TRITON:
         A 1-row GEMM is a weight stream: 2 FLOPs a loaded element, nothing for tensor cores to win, and a
         16-row MMA tile would be 15/16 padding. Each step multiplies a [BLOCK_N, BLOCK_K] weight tile into a
         [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator; the K reduction runs once, after the loop. The
-        next weight tile is loaded before the current one is used (a software double buffer), and under
-        PDL the first tile is loaded before ``gdc_wait``: x and out's memory may belong to the previous
-        kernel, the weights never do. (Loads issued ahead of the dependency wait: the programmatic
-        dependent launch section of the CUDA programming guide.)"""
+        next weight tile is loaded before the current one is used (a software double buffer). Under PDL
+        (USE_PDL) the programs start while the previous kernel drains and ``gdc_wait`` before touching
+        anything it may write (x, out's memory); with PREFETCH (a constant weight) the first weight tile is
+        loaded before that wait. (Loads issued ahead of the dependency wait: the programmatic dependent
+        launch section of the CUDA programming guide.)"""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
@@ -349,8 +368,10 @@ if HAS_TRITON:
         n_ok = rn < N
         w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + rk[None, :]
         x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + rk[None, :]
+        if USE_PDL and not PREFETCH:
+            tl.extra.cuda.gdc_wait()  # the weight itself may be the previous kernel's output
         wt = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0)
-        if USE_PDL:
+        if USE_PDL and PREFETCH:
             tl.extra.cuda.gdc_wait()  # everything below may read or overwrite the previous kernel's memory
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):

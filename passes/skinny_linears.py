@@ -80,7 +80,10 @@ def skinny_linears(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
         with graph.inserting_before(node):
             # reshape (not view): a strided input is copied to the [M, K] rows the op reads
             rows = graph.call_method("reshape", (x, M, K))
-            out = graph.call_function(torch.ops.treespec.skinny_linear.default, (rows, weight, bias))
+            # a graph input or constant is a parameter, never written by the kernel just before: a
+            # dependent launch may prefetch it (ops/skinny_linear.py, constant_weight)
+            constant = isinstance(weight, torch.fx.Node) and weight.op in ("get_attr", "placeholder")
+            out = graph.call_function(torch.ops.treespec.skinny_linear.default, (rows, weight, bias, constant))
             y = graph.call_method("reshape", (out, *xv.shape[:-1], N))
         y.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace")})
         for new in (rows, out):

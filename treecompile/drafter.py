@@ -27,6 +27,7 @@ Shapes: B requests, T chain rows, K lanes, H hidden, Vd draft vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -72,7 +73,7 @@ def _rows_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` through ``linear_rows`` (installed by :meth:`EagleDrafter.skinny_linears`)."""
     from treecompile.ops.skinny_linear import linear_rows
 
-    return linear_rows(x, self.weight, self.bias)
+    return linear_rows(x, self.weight, self.bias, constant_weight=True)  # a module's own parameters
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -356,8 +357,9 @@ class EagleDrafter(nn.Module):
         (a draft step's K lanes), ``F.linear`` otherwise. Idempotent."""
         from treecompile.ops.skinny_linear import linear_rows
 
-        self.midlayer.self_attn.linear = linear_rows
-        self.midlayer.mlp.linear = linear_rows
+        rows = functools.partial(linear_rows, constant_weight=True)  # the fused weights are constants
+        self.midlayer.self_attn.linear = rows
+        self.midlayer.mlp.linear = rows
         count = 0
         for sub in self.modules():
             if type(sub) is nn.Linear:

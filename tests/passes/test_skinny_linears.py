@@ -109,6 +109,23 @@ def test_few_row_linears_become_skinny_calls_with_identical_values(cpu_counts, r
     (got,) = gm(*args)
     assert got.shape == want.shape
     assert torch.equal(got, want)  # on the CPU the op is F.linear itself
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.treespec.skinny_linear.default]
+    assert [n.args[3] for n in calls] == [True, True]  # graph-input weights: a dependent launch may prefetch
+
+
+def test_a_weight_computed_in_the_graph_is_not_marked_constant(cpu_counts):
+    """The gemv kernel's dependent launch reads its first weight tile before waiting on the previous
+    kernel only for constant weights; a weight made inside the graph may be that kernel's output."""
+
+    def scaled(x, w1):
+        h = x.relu()  # x used first: the captured graph's inputs keep the (x, w1) order
+        return F.linear(h, w1 * 2)
+
+    x, w1 = inputs(4)[:2]
+    gm = skinny_linears(capture(scaled, x, w1), ON)
+    (call,) = [n for n in gm.graph.nodes if n.target is torch.ops.treespec.skinny_linear.default]
+    assert call.args[3] is False
+    torch.testing.assert_close(gm(x, w1)[0], F.linear(x.relu(), w1 * 2))
 
 
 def test_more_than_64_rows_float32_and_cpu_stay_linear(cpu_counts, monkeypatch):
@@ -162,5 +179,6 @@ def test_drafter_skinny_linears_keeps_its_outputs_on_cpu():
     want = head.project(x)
     head.skinny_linears()
     head.skinny_linears()  # idempotent
-    assert head.midlayer.self_attn.linear is linear_rows
+    fused = head.midlayer.self_attn.linear  # the fused q/k/v weight: a constant, so prefetchable
+    assert fused.func is linear_rows and fused.keywords == dict(constant_weight=True)
     assert torch.equal(head.project(x), want)

@@ -241,10 +241,12 @@ def test_prefill_replays_make_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_skinny_linears_on_cuda_run_the_op_and_agree(monkeypatch):
+@pytest.mark.parametrize("kind", ["dot", "gemv_pdl"])
+def test_skinny_linears_on_cuda_run_the_op_and_agree(monkeypatch, kind):
     """skinny_linears=True (bf16, Inductor, CUDA graphs): the target's and the head's few-row GEMMs run
     treespec::skinny_linear, and the output agrees with the same speculator on cuBLAS. bf16 GEMMs of two
-    kernels round differently, so the check is agreement, as for HF greedy in bf16 elsewhere."""
+    kernels round differently, so the check is agreement, as for HF greedy in bf16 elsewhere. ``gemv_pdl``:
+    every <= 8-row GEMM is the gemv kernel as a dependent launch (captured into the round graphs)."""
     from treecompile.ops import skinny_linear as skinny_module
     from treecompile.ops.skinny_linear import linear_rows
 
@@ -252,12 +254,17 @@ def test_skinny_linears_on_cuda_run_the_op_and_agree(monkeypatch):
     ids, mask = ragged()
     outs = []
     # The tiny model's shapes were never swept (they would stay on cuBLAS): every shape counts as a win here.
-    monkeypatch.setattr(skinny_module, "measured_tiles", lambda M, N, K: skinny_module.choose_skinny_config(M, N, K))
+    def tiles(M, N, K):
+        if kind == "gemv_pdl" and M <= skinny_module.GEMV_MAX_ROWS:
+            return skinny_module.gemv_config(M, N, K, pdl=True)
+        return skinny_module.choose_skinny_config(M, N, K)
+
+    monkeypatch.setattr(skinny_module, "measured_tiles", tiles)
     for skinny in (False, True):
         spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1).to("cuda", torch.bfloat16), topk=4,
                               steps=5, num_nodes=32, max_batch_size=3, max_seq_len=256, skinny_linears=skinny)  # fmt: skip
         assert spec.binding.skinny_linears is skinny
-        assert (spec.drafter.midlayer.self_attn.linear is linear_rows) is skinny
+        assert (getattr(spec.drafter.midlayer.self_attn.linear, "func", None) is linear_rows) is skinny
         calls = []
         launch = skinny_module._launch_skinny_linear
         if skinny:  # count the kernel's launches while the rounds run eagerly and are captured
