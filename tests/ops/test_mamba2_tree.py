@@ -261,7 +261,7 @@ def test_reference_fp32_is_bitwise_hf_decode_on_every_path():
             path = path_to(row, leaf)
             outs, final = hf_decode(x[b], dt[b], A, B[b], C[b], D, dt_bias, state[b], path)
             for t, want in zip(path, outs):
-                assert torch.equal(y[b, t], want), f"y[{b}, {t}] differs from HF decode"
+                assert torch.equal(y[b, t], want), f"y[{b}, {t}] differs from HF decode by {(y[b, t] - want).abs().max().item():.3g}"
             assert torch.equal(scratch[b, leaf], final), f"scratch state of {leaf} differs from HF decode"
             commit = state[b : b + 1].clone()
             accepted = torch.tensor([path + [-1] * (10 - len(path))])
