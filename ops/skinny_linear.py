@@ -132,8 +132,8 @@ class SkinnyConfig:
     step. ``gemv=False``: the MMA kernel (BLOCK_M >= 16, the MMA's least). ``gemv=True``: the multiply-add
     kernel for M <= GEMV_MAX_ROWS (BLOCK_M = M rounded up to a power of two, any BLOCK_N >= 1: no 16-row
     MMA padding, and narrow slices put many programs in flight). ``pdl``: launch the gemv kernel as a
-    programmatic dependent launch (sm90+): its programs start while the previous kernel drains and stream
-    their first weight tile before waiting for it (the weights never depend on the previous kernel)."""
+    programmatic dependent launch (sm90+): its programs start while the previous kernel drains; they load
+    their first weight tile before waiting for it only for a ``constant_weight`` call."""
 
     block_m: int
     block_n: int

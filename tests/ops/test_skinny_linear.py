@@ -153,25 +153,27 @@ def test_bad_input_names_the_argument(make, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("M,N,K", [(1, 960, 576), (8, 8192, 576), (64, 3072, 576), (1, 6144, 4096), (3, 100, 70)])
-@pytest.mark.parametrize("kind", ["table", "gemv", "gemv_pdl"])
+@pytest.mark.parametrize(
+    "M,N,K,kind",
+    [(M, N, K, kind) for M, N, K in [(1, 960, 576), (8, 8192, 576), (64, 3072, 576), (1, 6144, 4096), (3, 100, 70)]
+     for kind in ("table", "gemv", "gemv_pdl", "gemv_pdl_prefetch") if kind == "table" or M <= 8],  # gemv: <= 8 rows
+)
 def test_gpu_matches_float64_and_replays_in_a_graph(dtype, M, N, K, kind):
     """Each kernel in a CUDA graph, after another kernel that writes x (so a dependent launch that read x
     before its wait would read stale rows), replayed with new x."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    if kind != "table" and M > 8:
-        pytest.skip("the gemv kernel takes <= 8 rows")
-    cfg = None if kind == "table" else gemv_config(M, N, K, pdl=kind == "gemv_pdl")
+    cfg = None if kind == "table" else gemv_config(M, N, K, pdl=kind.startswith("gemv_pdl"))
+    constant = kind == "gemv_pdl_prefetch"  # the first weight tile loaded before the dependency wait
     x, w, b = (t.cuda() if t is not None else None for t in _inputs(M, N, K, dtype, bias=N % 2 == 1))
     src = torch.randn_like(x)
     out = torch.empty(M, N, device="cuda", dtype=dtype)
-    _launch_skinny_linear(x, w, b, out, config=cfg)
+    _launch_skinny_linear(x, w, b, out, config=cfg, constant_weight=constant)
     _check(out, x, w, b)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         x.copy_(src * 2)  # the previous kernel writes x
-        _launch_skinny_linear(x, w, b, out, config=cfg)
+        _launch_skinny_linear(x, w, b, out, config=cfg, constant_weight=constant)
     src.copy_(torch.randn_like(src))
     out.fill_(float("nan"))
     graph.replay()
