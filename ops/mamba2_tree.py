@@ -665,12 +665,30 @@ if HAS_TRITON:
 # --------------------------------------------------------------------------------------------------
 
 
+# PyTorch's CPU elementwise loops run whole blocks of 2 * vector-width elements through the vectorised
+# (SLEEF) exp / log1p and the leftover tail through the scalar libm ones, and the two may differ by an
+# ulp. HF's decode applies softplus to [B, H, P] and exp to [B, H, P, S] tensors, which for real models
+# (H * P a multiple of 32) have no tail; ours are [B, N, H] and [B, H], which usually do, so an element
+# in the tail came out one ulp off HF's on AVX-512 machines. Padding the flattened input to a multiple
+# of _VECTOR_BLOCK keeps every element on the vectorised path, as HF's are.
+_VECTOR_BLOCK = 64  # >= 2 * 16 fp32 lanes (AVX-512), the widest CPU vector PyTorch builds for
+
+
+def _elementwise_vectorised(fn, t: torch.Tensor) -> torch.Tensor:
+    """``fn(t)`` with every element on PyTorch's vectorised CPU path (see above); CUDA runs it as is."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return fn(t)
+    flat = t.reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % _VECTOR_BLOCK))
+    return fn(padded)[: flat.numel()].view(t.shape)
+
+
 def _process_dt(dt, dt_bias, dt_softplus, dt_min, dt_max):
     # HF's order: bias, softplus; the limits only where given (HF's decode applies none).
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
-        dt = torch.nn.functional.softplus(dt)
+        dt = _elementwise_vectorised(torch.nn.functional.softplus, dt)
     if dt_min is not None or dt_max is not None:
         dt = dt.clamp(dt_min, dt_max)
     return dt
@@ -681,7 +699,7 @@ def _ssm_step(S, x_t, dt_t, a_t, B_t):
 
     S [B, H, P, S_n]; x_t [B, H, P]; dt_t, a_t [B, H]; B_t [B, H, S_n].
     """
-    dA = torch.exp(a_t)[..., None, None]
+    dA = _elementwise_vectorised(torch.exp, a_t)[..., None, None]
     dB = dt_t[..., None, None] * B_t[:, :, None, :]
     return S * dA + dB * x_t[..., None]
 

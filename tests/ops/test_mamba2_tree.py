@@ -575,3 +575,21 @@ def test_bad_input_is_refused_before_launch():
         commit(torch.zeros(1, 2, 4, 8)[..., ::2], scratch, path, lens)
     with pytest.raises(ValueError, match=r"1\.\.64 nodes, got 65"):
         commit(state, torch.zeros(1, 65, 2, 4, 4), torch.zeros(1, 65, dtype=torch.int64), lens)
+
+
+def test_reference_dt_and_decay_do_not_depend_on_position():
+    """softplus / exp of one element come out the same wherever it sits in the tensor (HF's decode sees
+    it in a tail-free [B, H, P] block; PyTorch's scalar tail loop can differ from the vector one by an ulp)."""
+    gen = torch.Generator().manual_seed(3)
+    dt = torch.randn(3, 7, 5, generator=gen) * 4  # 105 elements: a tail on every CPU vector width
+    bias = torch.randn(5, generator=gen)
+    whole = m2._process_dt(dt, bias, True, None, None)
+    A = -torch.rand(5, generator=gen) - 0.1
+    decay = m2._elementwise_vectorised(torch.exp, whole * A)
+    for b in range(3):
+        for t in range(7):
+            block = (dt[b, t] + bias)[:, None].expand(5, 64).contiguous()  # a tail-free block, as HF's
+            want = torch.nn.functional.softplus(block)[:, 0]
+            assert torch.equal(whole[b, t], want), (b, t)
+            want_decay = torch.exp((want * A)[:, None].expand(5, 64).contiguous())[:, 0]
+            assert torch.equal(decay[b, t], want_decay), (b, t)
