@@ -12,6 +12,7 @@ sync and is safe inside captured regions. Value checks (is `parents` a tree?) li
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,6 +31,30 @@ except Exception:  # pragma: no cover - depends on the install
 def triton_interpret() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+PDL_ENV = "TREECOMPILE_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether treecompile's Triton kernels launch as programmatic dependent launches on ``device``.
+
+    Experimental, off unless ``TREECOMPILE_PDL=1``; only on CUDA devices of compute capability >= 9.0
+    (Hopper) and never in the interpreter. Each such kernel waits for the previous kernel (``gdc_wait``)
+    before it touches any memory, then lets the next one launch (``gdc_launch_dependents``), so its launch
+    and its programs' start overlap the previous kernel's tail. Inductor's own kernels do the same under
+    ``TORCHINDUCTOR_ENABLE_PDL=1`` (its ``triton.enable_pdl``). Read at launch time: under CUDA graphs a
+    kernel keeps the mode it was captured with.
+    """
+    if os.environ.get(PDL_ENV, "0") != "1" or device.type != "cuda" or triton_interpret():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)[0] >= 9
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:

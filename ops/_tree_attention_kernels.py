@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import triton_interpret
+from ._common import pdl_enabled, triton_interpret
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class CascadeConfig:
     num_splits: int
     min_chunk: int
     merge_warps: int = 4
+    pdl: bool = False  # both kernels as programmatic dependent launches (_common.pdl_enabled)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,6 +129,7 @@ def choose_config(
         num_stages=num_stages,
         num_splits=num_splits,
         min_chunk=min_chunk,
+        pdl=pdl_enabled(device),
     )
     cfg.update(override)
     return CascadeConfig(**cfg)
@@ -158,6 +160,8 @@ def launch_cascade(
     if triton_interpret():  # CPU tests: unwritten partial rows (splits past the prefix) hold NaN, as stale memory may
         o_part.fill_(float("nan"))
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    pdl = cfg.pdl and q.device.type == "cuda" and not triton_interpret()
+    launch = dict(launch_pdl=True) if pdl else {}
     if new_rows is not None:
         k_new, v_new, new_slots = new_rows
     else:  # unused (NEW_ROWS=False): any tensors of the right kind
@@ -172,13 +176,13 @@ def launch_cascade(
         ancestor_mask.stride(1), max_pages, num_slots // page_size, R, float(scale) * LOG2E, NS,
         HKV=Hkv, G=G, PAGE=page_size, WINDOW=window, NRB=nrb, D=D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
-        MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     cascade_merge_kernel[(B * R * Hq,)](
         o_part, lse_part, out,
-        NS, D=D, BLOCK_S=triton.next_power_of_2(NS + 1),
-        num_warps=cfg.merge_warps,
+        NS, D=D, BLOCK_S=triton.next_power_of_2(NS + 1), USE_PDL=pdl,
+        num_warps=cfg.merge_warps, **launch,
     )  # fmt: skip
     return out
 
@@ -193,8 +197,13 @@ def cascade_partial_kernel(
     max_pages, num_pages, R, qk_scale, NS,
     HKV: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
     NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:
+        # A dependent launch: wait for the previous kernel (it wrote q, and maybe the cache or the
+        # metadata) before touching memory, then let the merge launch; it waits for this grid in turn.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rb = pid % NRB
@@ -290,7 +299,12 @@ def cascade_partial_kernel(
 
 
 @triton.jit
-def cascade_merge_kernel(o_part, lse_part, out, NS, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def cascade_merge_kernel(
+    o_part, lse_part, out, NS, D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr
+):  # fmt: skip
+    if USE_PDL:  # stage 1's partials must be complete and visible before any load
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, check_dim, check_dtype, check_same_device, use_triton
+from ._common import HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, use_triton
 
 if HAS_TRITON:
     import triton
@@ -133,7 +133,8 @@ class SkinnyConfig:
     kernel for M <= GEMV_MAX_ROWS (BLOCK_M = M rounded up to a power of two, any BLOCK_N >= 1: no 16-row
     MMA padding, and narrow slices put many programs in flight). ``pdl``: launch the gemv kernel as a
     programmatic dependent launch (sm90+): its programs start while the previous kernel drains; they load
-    their first weight tile before waiting for it only for a ``constant_weight`` call."""
+    their first weight tile before waiting for it only for a ``constant_weight`` call. Under
+    ``TREECOMPILE_PDL=1`` (``_common.pdl_enabled``) every launch on a Hopper GPU is a dependent one."""
 
     block_m: int
     block_n: int
@@ -280,13 +281,14 @@ def _launch_skinny_linear(
         _launch_gemv(x, weight, bias, out, cfg, constant_weight)
         return
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
+    pdl = pdl_enabled(x.device)
     _skinny_linear_kernel[grid](
         x, weight, bias if bias is not None else weight, out,
         M, N, K, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}),
     )  # fmt: skip
 
 
@@ -295,10 +297,13 @@ if HAS_TRITON:
     @triton.jit
     def _skinny_linear_kernel(
         x, w, b, out, M, N, K, s_xm, s_wn, s_om, s_b,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program (n slice, m block): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias)."""
+        if USE_PDL:  # TREECOMPILE_PDL: wait for the previous kernel, then let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
@@ -332,7 +337,9 @@ def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool)
     N = weight.shape[0]
     if M > cfg.block_m:
         raise ValueError(f"config: the gemv kernel's block_m={cfg.block_m} must cover x's M={M}")
-    pdl = cfg.pdl and x.device.type == "cuda"  # the interpreter (CPU) has no grid-dependency control
+    # A gemv_pdl table entry, or every launch under TREECOMPILE_PDL=1; the interpreter (CPU) has no
+    # grid-dependency control.
+    pdl = (cfg.pdl or pdl_enabled(x.device)) and x.device.type == "cuda"
     extra = dict(launch_pdl=True) if pdl else {}
     _skinny_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out,
@@ -373,6 +380,10 @@ if HAS_TRITON:
         wt = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0)
         if USE_PDL and PREFETCH:
             tl.extra.cuda.gdc_wait()  # everything below may read or overwrite the previous kernel's memory
+        if USE_PDL:
+            # The next kernel may launch now: a dependent launch waits for this whole grid before it reads
+            # anything (every treecompile kernel does; Inductor's wait where they read this one's output).
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xt = tl.load(x_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0).to(tl.float32)

@@ -156,14 +156,20 @@ def test_bad_input_names_the_argument(make, match):
 @pytest.mark.parametrize(
     "M,N,K,kind",
     [(M, N, K, kind) for M, N, K in [(1, 960, 576), (8, 8192, 576), (64, 3072, 576), (1, 6144, 4096), (3, 100, 70)]
-     for kind in ("table", "gemv", "gemv_pdl", "gemv_pdl_prefetch") if kind == "table" or M <= 8],  # gemv: <= 8 rows
+     for kind in ("table", "table_pdl_env", "gemv", "gemv_pdl", "gemv_pdl_prefetch")
+     if kind.startswith("table") or M <= 8],  # gemv: <= 8 rows
 )
-def test_gpu_matches_float64_and_replays_in_a_graph(dtype, M, N, K, kind):
+def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K, kind):
     """Each kernel in a CUDA graph, after another kernel that writes x (so a dependent launch that read x
-    before its wait would read stale rows), replayed with new x."""
+    before its wait would read stale rows), replayed with new x. ``table_pdl_env``: the table's kernel with
+    TREECOMPILE_PDL=1, so the MMA kernel too runs as a dependent launch."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    cfg = None if kind == "table" else gemv_config(M, N, K, pdl=kind.startswith("gemv_pdl"))
+    if kind == "table_pdl_env":
+        if torch.cuda.get_device_capability()[0] < 9:
+            pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+        monkeypatch.setenv("TREECOMPILE_PDL", "1")
+    cfg = None if kind.startswith("table") else gemv_config(M, N, K, pdl=kind.startswith("gemv_pdl"))
     constant = kind == "gemv_pdl_prefetch"  # the first weight tile loaded before the dependency wait
     x, w, b = (t.cuda() if t is not None else None for t in _inputs(M, N, K, dtype, bias=N % 2 == 1))
     src = torch.randn_like(x)
@@ -179,3 +185,31 @@ def test_gpu_matches_float64_and_replays_in_a_graph(dtype, M, N, K, kind):
     graph.replay()
     torch.cuda.synchronize()
     _check(out, src * 2, w, b)
+
+
+def test_dependent_launch_switch(monkeypatch):
+    """TREECOMPILE_PDL=1 turns dependent launches on only for CUDA devices of compute capability >= 9 and
+    never in the interpreter; unset (the default), or on the CPU, it is off."""
+    from treecompile.ops import _common
+    from treecompile.ops._tree_attention_kernels import choose_config
+
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(_common, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_common, "triton_interpret", lambda: False)
+    monkeypatch.delenv("TREECOMPILE_PDL", raising=False)
+    assert not _common.pdl_enabled(cuda0)
+    monkeypatch.setenv("TREECOMPILE_PDL", "1")
+    assert _common.pdl_enabled(cuda0)
+    assert not _common.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setattr(_common, "_capability", lambda index: (8, 0))
+    assert not _common.pdl_enabled(cuda0)  # Ampere has no programmatic dependent launch
+    monkeypatch.setattr(_common, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_common, "triton_interpret", lambda: True)
+    assert not _common.pdl_enabled(cuda0)
+    monkeypatch.setenv("TREECOMPILE_PDL", "0")
+    monkeypatch.setattr(_common, "triton_interpret", lambda: False)
+    assert not _common.pdl_enabled(cuda0)
+    # the attention's config carries the switch; on the CPU (the interpreter's device) it stays off
+    monkeypatch.setenv("TREECOMPILE_PDL", "1")
+    assert not choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu")).pdl
+    assert choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"), pdl=True).pdl  # a sweep's override

@@ -418,6 +418,42 @@ def test_gpu_cuda_graph_replay_with_new_masks_and_prefixes():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,prefix", [(1, [2000, 5]), (64, [3000, 1])], ids=["decode", "verify"])
+def test_gpu_dependent_launch_waits_for_the_kernel_before_it(monkeypatch, N, prefix):
+    """TREECOMPILE_PDL=1: both cascade kernels as programmatic dependent launches, in a CUDA graph right after
+    a kernel that writes q. Stage 1 must wait before it reads q (else stale rows) and the merge before it
+    reads the partials; replayed with new queries, every row matches the float64 reference."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    monkeypatch.setenv("TREECOMPILE_PDL", "1")
+    gen = torch.Generator().manual_seed(N)
+    B, Hq, Hkv, D, page_size = 2, 32, 8, 128, 64
+    q, kc, vc, pt, pl, _ = make_paged(B, N, Hq, Hkv, D, page_size, 50, prefix, N, torch.bfloat16, gen)
+    mask = torch.stack([random_tree_mask(N, gen) for _ in range(B)])
+    q, kc, vc, pt, pl, mask = (t.cuda() for t in (q, kc, vc, pt, pl, mask))
+    src = torch.randn_like(q)
+    args = (q, kc, vc, pt, pl, mask, page_size, N, D**-0.5)
+    from treecompile.ops._tree_attention_kernels import choose_config
+
+    assert choose_config(B, N, Hq, Hkv, D, 50 * page_size, q.device).pdl
+    op = torch.ops.treespec.tree_attention_paged
+    op(*args)  # compiles the USE_PDL kernels outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q.copy_(src * 2)  # the kernel before stage 1 writes q
+        out = op(*args)
+    for _ in range(2):
+        src.copy_(torch.randn(src.shape, generator=gen).to(src))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = tree_attention_paged_reference((src * 2).double(), kc.double(), vc.double(), pt, pl, mask,
+                                              page_size, N, D**-0.5)  # fmt: skip
+        torch.testing.assert_close(out.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_functional_nan_past_window():
     gen = torch.Generator().manual_seed(9)
     B, N, Hq, Hkv, D, L = 2, 33, 16, 4, 64, 200

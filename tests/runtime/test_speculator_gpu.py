@@ -282,3 +282,32 @@ def test_skinny_linears_on_cuda_run_the_op_and_agree(monkeypatch, kind):
             assert calls and max(calls) <= 64, calls
     new = slice(ids.shape[1], None)
     assert (outs[0][:, new] == outs[1][:, new]).float().mean().item() >= 0.8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dependent_launches_change_no_token(monkeypatch, dtype):
+    """TREECOMPILE_PDL=1 (every treecompile kernel a programmatic dependent launch) with Inductor's own
+    ``triton.enable_pdl``: the same kernels and the same math, launched so that each may start while the one
+    before drains. A kernel that read its inputs before its wait would read stale rows; the output must
+    equal the ordinary launches' token for token (bf16: with skinny_linears, so the gemv / MMA kernels run
+    as dependent launches too)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "triton.enable_pdl"):
+        pytest.skip("this torch's Inductor has no triton.enable_pdl")
+    model = tiny_llama(dtype)
+    ids, mask = ragged()
+    outs = []
+    for pdl in (False, True):
+        monkeypatch.setenv("TREECOMPILE_PDL", "1" if pdl else "0")
+        monkeypatch.setattr(inductor_config.triton, "enable_pdl", pdl)
+        torch._dynamo.reset()  # compile afresh under this config
+        drafter = EagleDrafter.for_target(model, seed=1).to("cuda", dtype)
+        spec = TreeSpeculator(model, drafter, topk=4, steps=5, num_nodes=32, max_batch_size=3, max_seq_len=256,
+                              skinny_linears=dtype == torch.bfloat16)  # fmt: skip
+        out = spec.generate(ids, mask, max_new_tokens=40)
+        outs.append((out.sequences, out.accept_lengths))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
