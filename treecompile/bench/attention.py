@@ -225,7 +225,7 @@ class Point:
         except Exception as exc:  # noqa: BLE001 - Inductor's NoValidChoicesError
             # Under 128 query rows flex takes its decoding kernel, which puts a KV head's G query heads x N
             # rows in one block (256 at N = 64 with GQA 4) and finds no config that fits (torch 2.11 on the
-            # H200, notes/attention.md); its main kernel tiles the query rows per head instead.
+            # H200; notes/attention.md, twelfth session); its main kernel tiles the query rows per head instead.
             logger.warning("flex P=%d N=%d: default kernel failed (%s); retrying with FORCE_USE_FLEX_ATTENTION",
                            P, N, type(exc).__name__)  # fmt: skip
             options = {"FORCE_USE_FLEX_ATTENTION": True}
