@@ -12,8 +12,12 @@ Stage 1, ``cascade_partial_kernel``, grid ``(B * Hkv * NRB, NS + 1)``:
     program of each (request, KV head) writes the new rows to their slots (``kv_write``'s semantics: slots
     out of range skipped). No program reads a slot this call writes, so the order of programs is free.
   Each writes a partial output (normalised) and its base-2 log-sum-exp into the workspace.
-Stage 2, ``cascade_merge_kernel``, grid ``(B * R * Hq,)``: combines the NS + 1 partial states of one row by
-  log-sum-exp, guarding empty states (all ``-inf``: the row sees nothing -> zeros).
+Stage 2, ``cascade_merge_kernel``, grid ``(cdiv(B * R * Hq, merge_rows),)``: combines the NS + 1 partial states
+  of each of its rows by log-sum-exp, guarding empty states (all ``-inf``: the row sees nothing -> zeros).
+
+Tuning variants (``CascadeConfig``, or ``TREECOMPILE_CASCADE`` for a whole run): ``tma`` loads full prefix tiles
+through Hopper TMA descriptors (the cache viewed as ``[num_slots, Hkv * D]``, one box per tile: a tile never
+crosses a page); ``merge_rows`` gives each merge program several rows. Both compute the same sums.
 
 Ideas from SGLang's triton_ops/decode_attention.py (split-K stage 1 / stage 2 with a fixed split count),
 flashinfer's cascade merge_state (base-2 LSE, empty-state guards) and SGLang's target_verify (prefix pass,
@@ -26,9 +30,11 @@ are cleared (a zero probability times NaN would still be NaN).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +59,8 @@ class CascadeConfig:
     num_splits: int
     min_chunk: int
     merge_warps: int = 4
+    merge_rows: int = 1  # query rows (b, r, hq) one merge program combines
+    tma: bool = False  # full prefix tiles through Hopper TMA descriptors (when the cache layout allows)
     pdl: bool = False  # both kernels as programmatic dependent launches (_common.pdl_enabled)
 
 
@@ -131,8 +139,34 @@ def choose_config(
         min_chunk=min_chunk,
         pdl=pdl_enabled(device),
     )
+    cfg.update(_env_overrides())
     cfg.update(override)
     return CascadeConfig(**cfg)
+
+
+CASCADE_ENV = "TREECOMPILE_CASCADE"
+
+
+def _env_overrides() -> dict:
+    """``TREECOMPILE_CASCADE="tma=1,merge_rows=4"``: replace config fields for every launch (A/B tuning runs on
+    the GPU, e.g. a whole round under one variant). Read at launch, so a captured graph keeps the variant it
+    was captured with. Unknown fields or values are refused by name."""
+    spec = os.environ.get(CASCADE_ENV, "").strip()
+    if not spec:
+        return {}
+    fields = {f.name: f.type for f in dataclasses.fields(CascadeConfig)}
+    out = {}
+    for item in spec.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in fields or key == "pdl":
+            raise ValueError(f"{CASCADE_ENV}: expected comma-separated FIELD=INT with FIELD one of "
+                             f"{sorted(k for k in fields if k != 'pdl')}, got {item!r}")  # fmt: skip
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"{CASCADE_ENV}: {key} must be an integer, got {value!r}") from None
+        out[key] = bool(number) if key == "tma" else number
+    return out
 
 
 def launch_cascade(
@@ -166,8 +200,13 @@ def launch_cascade(
         k_new, v_new, new_slots = new_rows
     else:  # unused (NEW_ROWS=False): any tensors of the right kind
         k_new, v_new, new_slots = k_cache, v_cache, prefix_len
+    tma = cfg.tma and _tma_layout_ok(k_cache, v_cache, page_size, cfg.block_n)
+    if tma:
+        k_desc, v_desc = (_tile_descriptor(c, cfg.block_n) for c in (k_cache, v_cache))
+    else:  # unused (TMA=False)
+        k_desc, v_desc = k_cache, v_cache
     cascade_partial_kernel[(B * Hkv * nrb, NS + 1)](
-        q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
+        q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part, k_desc, v_desc,
         k_new, v_new, new_slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         new_slots.stride(0), num_slots,
         q.stride(0), q.stride(1), q.stride(2),
@@ -176,20 +215,53 @@ def launch_cascade(
         ancestor_mask.stride(1), max_pages, num_slots // page_size, R, float(scale) * LOG2E, NS,
         HKV=Hkv, G=G, PAGE=page_size, WINDOW=window, NRB=nrb, D=D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
-        MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None, USE_PDL=pdl,
+        MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None, TMA=tma, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
-    cascade_merge_kernel[(B * R * Hq,)](
+    rows = B * R * Hq
+    mr = cfg.merge_rows
+    cascade_merge_kernel[(triton.cdiv(rows, mr),)](
         o_part, lse_part, out,
-        NS, D=D, BLOCK_S=triton.next_power_of_2(NS + 1), USE_PDL=pdl,
+        rows, NS, D=D, BLOCK_S=triton.next_power_of_2(NS + 1), ROWS=mr, USE_PDL=pdl,
         num_warps=cfg.merge_warps, **launch,
     )  # fmt: skip
     return out
 
 
+def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:
+    """Whether full prefix tiles can come through TMA descriptors: a tile must lie in one page, and each cache
+    must be a 2-D ``[num_slots, Hkv * D]`` box source (heads adjacent, D contiguous, 16-byte aligned base and
+    slot stride). On CUDA the device must be Hopper or newer; the interpreter emulates descriptors on CPU."""
+    if page_size % block_n:
+        return False
+    if k_cache.is_cuda:
+        if triton_interpret() or torch.cuda.get_device_capability(k_cache.device)[0] < 9:
+            return False
+    elif not triton_interpret():
+        return False
+    for c in (k_cache, v_cache):
+        D = c.shape[2]
+        if c.stride(2) != 1 or c.stride(1) != D or (c.stride(0) * c.element_size()) % 16:
+            return False
+        if c.data_ptr() % 16:
+            return False
+    return True
+
+
+def _tile_descriptor(cache: torch.Tensor, block_n: int):
+    """A host TMA descriptor over ``cache [num_slots, Hkv, D]`` viewed as ``[num_slots, Hkv * D]``, boxes of
+    ``[block_n, D]`` (one KV head of block_n slots). Built at launch; under CUDA graphs the descriptor is a
+    kernel parameter captured with the graph, valid while the cache's storage stays where it is (caches are
+    fixed buffers)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_slots, Hkv, D = cache.shape
+    return TensorDescriptor(cache, [num_slots, Hkv * D], [cache.stride(0), 1], [block_n, D])
+
+
 @triton.jit
 def cascade_partial_kernel(
-    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part,
+    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part, k_desc, v_desc,
     k_new, v_new, new_slots, s_kn, s_knh, s_vn, s_vnh, s_ns, num_slots,
     s_qb, s_qr, s_qh,
     s_kc, s_kh, s_vc, s_vh,
@@ -197,7 +269,8 @@ def cascade_partial_kernel(
     max_pages, num_pages, R, qk_scale, NS,
     HKV: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
     NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr, TMA: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     if USE_PDL:
         # A dependent launch: wait for the previous kernel (it wrote q, and maybe the cache or the
@@ -240,12 +313,12 @@ def cascade_partial_kernel(
         for start_n in range(start, full_end, BLOCK_N):
             m_i, l_i, acc = _prefix_tile(
                 qt, m_i, l_i, acc, k_head, v_head, pt_row, s_pp, start_n, end, num_pages, s_kc, s_vc, qk_scale,
-                PAGE, D, BLOCK_N, PREC, False,
+                k_desc, v_desc, kvh * D, PAGE, D, BLOCK_N, PREC, False, TMA,
             )  # fmt: skip
         if full_end < end:
             m_i, l_i, acc = _prefix_tile(
                 qt, m_i, l_i, acc, k_head, v_head, pt_row, s_pp, full_end, end, num_pages, s_kc, s_vc, qk_scale,
-                PAGE, D, BLOCK_N, PREC, True,
+                k_desc, v_desc, kvh * D, PAGE, D, BLOCK_N, PREC, True, False,
             )  # fmt: skip
     else:
         # Window: key P + j for j < WINDOW, visible to row r iff bit j of its ancestor mask is set.
@@ -300,43 +373,65 @@ def cascade_partial_kernel(
 
 @triton.jit
 def cascade_merge_kernel(
-    o_part, lse_part, out, NS, D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr
+    o_part, lse_part, out, num_rows, NS, D: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     if USE_PDL:  # stage 1's partials must be complete and visible before any load
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    smask = s < NS + 1
     # Both loads are issued at once (the partial outputs do not wait for the LSEs): one round trip to L2, not
     # two. An empty state (a split past the prefix) never wrote its output row, so it is selected away, not
     # multiplied by a zero weight (its memory may hold NaN).
-    lse = tl.load(lse_part + row * (NS + 1) + s, mask=smask, other=float("-inf"))
-    o = tl.load(o_part + (row * (NS + 1) + s[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
-    mx = tl.max(lse, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(lse - mx)  # empty states weigh 0
-    live = smask & (lse > float("-inf"))
-    o = tl.where(live[:, None], o, 0.0)
-    denom = tl.sum(w, 0)
-    res = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out + row * D + d, res.to(out.dtype.element_ty))
+    if ROWS == 1:  # one query row a program: [BLOCK_S] LSEs, [BLOCK_S, D] partial outputs (the H200-timed form)
+        row = tl.program_id(0).to(tl.int64)
+        smask = s < NS + 1
+        lse = tl.load(lse_part + row * (NS + 1) + s, mask=smask, other=float("-inf"))
+        o = tl.load(o_part + (row * (NS + 1) + s[:, None]) * D + d[None, :], mask=smask[:, None], other=0.0)
+        mx = tl.max(lse, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mx)  # empty states weigh 0
+        live = smask & (lse > float("-inf"))
+        o = tl.where(live[:, None], o, 0.0)
+        denom = tl.sum(w, 0)
+        res = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
+        tl.store(out + row * D + d, res.to(out.dtype.element_ty))
+    else:  # ROWS query rows a program: [ROWS, BLOCK_S] LSEs, [ROWS, BLOCK_S, D] partial outputs
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rmask = row < num_rows
+        smask = rmask[:, None] & (s[None, :] < NS + 1)
+        state = row[:, None] * (NS + 1) + s[None, :]
+        lse = tl.load(lse_part + state, mask=smask, other=float("-inf"))
+        o = tl.load(o_part + state[:, :, None] * D + d[None, None, :], mask=smask[:, :, None], other=0.0)
+        mx = tl.max(lse, 1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mx[:, None])
+        live = smask & (lse > float("-inf"))
+        o = tl.where(live[:, :, None], o, 0.0)
+        denom = tl.sum(w, 1)
+        res = tl.sum(w[:, :, None] * o, 1) / tl.where(denom == 0.0, 1.0, denom)[:, None]
+        tl.store(out + row[:, None] * D + d[None, :], res.to(out.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
 def _prefix_tile(
     qt, m_i, l_i, acc, k_head, v_head, pt_row, s_pp, start_n, end, num_pages, s_kc, s_vc, qk_scale,
+    k_desc, v_desc, col,
     PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_N tile of prefix keys [start_n, start_n + BLOCK_N) (clipped to ``end`` when MASKED):
-    online softmax in base 2 with the scale folded into one FMA; the accumulator rides in the dot."""
+    online softmax in base 2 with the scale folded into one FMA; the accumulator rides in the dot.
+    ``TMA`` (full tiles inside one page only): the tile is one box ``[slot0, col]`` of the descriptors, so
+    the copy engine moves it into shared memory with no per-thread address math or gather."""
     d = tl.arange(0, D)
     t = start_n + tl.arange(0, BLOCK_N)
     if PAGE % BLOCK_N == 0:  # the tile lies in one page: one page-table read
         page = tl.load(pt_row + (start_n // PAGE) * s_pp).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        slot = page * PAGE + start_n % PAGE + tl.arange(0, BLOCK_N)
+        slot0 = page * PAGE + start_n % PAGE
+        slot = slot0 + tl.arange(0, BLOCK_N)
     else:
         page = tl.load(pt_row + (t // PAGE) * s_pp, mask=t < end, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
@@ -345,6 +440,9 @@ def _prefix_tile(
         kmask = t < end
         kt = tl.load(k_head + slot[:, None] * s_kc + d[None, :], mask=kmask[:, None], other=0.0)
         vt = tl.load(v_head + slot[:, None] * s_vc + d[None, :], mask=kmask[:, None], other=0.0)
+    elif TMA:
+        kt = k_desc.load([slot0.to(tl.int32), col])
+        vt = v_desc.load([slot0.to(tl.int32), col])
     else:
         kt = tl.load(k_head + slot[:, None] * s_kc + d[None, :])
         vt = tl.load(v_head + slot[:, None] * s_vc + d[None, :])

@@ -157,6 +157,73 @@ def test_kernel_split_counts_agree(num_splits, kernel_device):
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
 
 
+VARIANTS = [  # CascadeConfig fields a tuning run may set: TMA tiles, several rows per merge program
+    dict(tma=True),
+    dict(merge_rows=2),
+    dict(merge_rows=8, merge_warps=2),
+    dict(tma=True, merge_rows=4, num_splits=3),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("N,prefix", [(7, [0, 37]), (16, [129, 3])], ids=lambda x: str(x))
+def test_kernel_config_variants_match_reference(variant, N, prefix, kernel_device):
+    """Every tuning variant computes the same attention: full prefix tiles through TMA descriptors (the
+    interpreter emulates them on CPU; tiles of 16 keys so pages of 16 hold whole tiles, with an odd tail tile
+    on the pointer path) and merge programs of several rows, B * N * Hq not a multiple of the row count (the
+    last program's extra rows must not be written). Poisoned caches: NaN / inf outside what rows see."""
+    from treecompile.ops import _tree_attention_kernels as kern
+
+    gen = torch.Generator().manual_seed(N + 5)
+    B, Hq, Hkv, D, page_size = 2, 6, 2, 64, 16
+    max_pages = -(-(max(prefix) + N) // page_size) + 1
+    q, kc, vc, pt, pl, _ = make_paged(B, N, Hq, Hkv, D, page_size, max_pages, prefix, N, torch.float32, gen)
+    mask = torch.stack([random_tree_mask(N, gen) for _ in range(B)])
+    want = tree_attention_paged_reference(q.double(), kc.double(), vc.double(), pt, pl, mask, page_size, N, 0.1)
+    d = kernel_device
+    q, kc, vc, pt, pl, mask = (t.to(d) for t in (q, kc, vc, pt, pl, mask))
+    variant = dict(variant)
+    splits = variant.pop("num_splits", None)
+    cfg = kern.choose_config(B, N, Hq, Hkv, D, max_pages * page_size, q.device, splits, itemsize=4, block_n=16,
+                             num_stages=2, **variant)  # fmt: skip
+    if cfg.tma:
+        assert kern._tma_layout_ok(kc, vc, page_size, cfg.block_n) == (d == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    got = kern.launch_cascade(q, kc, vc, pt, pl, mask, page_size, N, 0.1, config=cfg)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
+
+
+def test_tma_needs_whole_tiles_in_a_page_and_a_box_layout():
+    """TMA tiles are taken only where a tile is one box of a ``[num_slots, Hkv * D]`` view: pages holding
+    whole tiles, heads adjacent, D contiguous. Otherwise the pointer path runs (same results)."""
+    from treecompile.ops import _tree_attention_kernels as kern
+
+    if not kern.triton_interpret():
+        pytest.skip("the CPU check runs under the interpreter")
+    cache = torch.zeros(64, 2, 64)
+    assert kern._tma_layout_ok(cache, cache, 16, 16)
+    assert not kern._tma_layout_ok(cache, cache, 8, 16)  # a tile spans two pages
+    both = torch.zeros(64, 4, 64)  # K and V halves of one cache: slot stride 4 * D
+    assert kern._tma_layout_ok(both[:, :2], both[:, 2:], 16, 16)  # heads still adjacent within a slot
+    strided_heads = torch.zeros(64, 2, 2, 64)[:, :, 0]  # head stride 128 != D
+    assert not kern._tma_layout_ok(strided_heads, strided_heads, 16, 16)
+    assert not kern._tma_layout_ok(cache.transpose(1, 2), cache.transpose(1, 2), 16, 16)
+
+
+def test_cascade_env_overrides(monkeypatch):
+    """TREECOMPILE_CASCADE sets config fields for A/B runs; anything else is refused by name."""
+    from treecompile.ops import _tree_attention_kernels as kern
+
+    monkeypatch.setenv(kern.CASCADE_ENV, "tma=1, merge_rows=4,merge_warps=2")
+    cfg = kern.choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"))
+    assert (cfg.tma, cfg.merge_rows, cfg.merge_warps) == (True, 4, 2)
+    assert kern.choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"), merge_rows=2).merge_rows == 2
+    for bad, word in (("tma", "FIELD=INT"), ("speed=3", "FIELD=INT"), ("pdl=1", "FIELD=INT"), ("merge_rows=x", "integer")):
+        monkeypatch.setenv(kern.CASCADE_ENV, bad)
+        with pytest.raises(ValueError, match=word):
+            kern.choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
 def test_kernel_head_dims_fp16(D, kernel_device):
     gen = torch.Generator().manual_seed(D)
