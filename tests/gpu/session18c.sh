@@ -12,5 +12,5 @@ e2e() {  # name, limit, extra args, env...
   env "$@" timeout "$limit" python3 -m $E $extra --json "$OUT/e2e_$name.json" > "$OUT/e2e_$name.log" 2>&1
   echo "e2e $name rc=$?"; grep -E "^\[e2e\] batch|^\|" "$OUT/e2e_$name.log" | tail -8
 }
-e2e skinny 330 "--configs hf_compile,tc_plain,tc_tree" TREECOMPILE_PDL=0
-e2e skinny_pdl 180 "--configs tc_plain,tc_tree" TREECOMPILE_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1
+e2e skinny 330 "--configs hf_compile,tc_plain,tc_tree" TREECOMPILE_PDL=0 TREECOMPILE_CASCADE="$(cat /tmp/cascade_env)"
+e2e skinny_pdl 180 "--configs tc_plain,tc_tree" TREECOMPILE_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1 TREECOMPILE_CASCADE="$(cat /tmp/cascade_env)"
