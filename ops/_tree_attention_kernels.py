@@ -15,9 +15,11 @@ Stage 1, ``cascade_partial_kernel``, grid ``(B * Hkv * NRB, NS + 1)``:
 Stage 2, ``cascade_merge_kernel``, grid ``(cdiv(B * R * Hq, merge_rows),)``: combines the NS + 1 partial states
   of each of its rows by log-sum-exp, guarding empty states (all ``-inf``: the row sees nothing -> zeros).
 
-Tuning variants (``CascadeConfig``, or ``TREECOMPILE_CASCADE`` for a whole run): ``tma`` loads full prefix tiles
-through Hopper TMA descriptors (the cache viewed as ``[num_slots, Hkv * D]``, one box per tile: a tile never
-crosses a page); ``merge_rows`` gives each merge program several rows. Both compute the same sums.
+Full prefix tiles come through Hopper TMA descriptors where the device and the cache layout allow (the cache
+viewed as ``[num_slots, Hkv * D]``, one box per tile: a tile never crosses a page; H200, 8B shapes, stage 1 at
+64k N=64 188 -> 163 us a layer); elsewhere, and for the masked tail tile, through pointer gathers. Tuning
+fields (``CascadeConfig``, or ``TREECOMPILE_CASCADE`` for a whole run): ``tma``, ``merge_rows`` (several rows a
+merge program), ``merge_warps``; every variant computes the same sums.
 
 Ideas from SGLang's triton_ops/decode_attention.py (split-K stage 1 / stage 2 with a fixed split count),
 flashinfer's cascade merge_state (base-2 LSE, empty-state guards) and SGLang's target_verify (prefix pass,
@@ -60,7 +62,7 @@ class CascadeConfig:
     min_chunk: int
     merge_warps: int = 4
     merge_rows: int = 1  # query rows (b, r, hq) one merge program combines
-    tma: bool = False  # full prefix tiles through Hopper TMA descriptors (when the cache layout allows)
+    tma: bool = True  # full prefix tiles through Hopper TMA descriptors (when the device and layout allow)
     pdl: bool = False  # both kernels as programmatic dependent launches (_common.pdl_enabled)
 
 
@@ -130,6 +132,13 @@ def choose_config(
     # only launch empty programs and give the merge empty states to read (SmolLM2 N=64 at P=256: 29 splits
     # 9.9 us a layer, 16 splits 9.1 us).
     num_splits = max(1, min(num_splits, triton.cdiv(capacity, min_chunk), 128))
+    # The merge: one row a program. A row's NS + 1 states of D fp32 fit one warp's registers when there are
+    # <= 4096 values (<= 128 a thread): then one warp a program beats four, whose cross-warp reduction goes
+    # through shared memory (H200, 8B shapes, per layer: P=2k N=64, 8 splits, 7.5 -> 3.4 us; 16k / 64k N=64,
+    # 16 splits, 8.9 / 9.5 -> 4.2 / 4.4 us). With 33 splits (N <= 16) one warp loses (N=1: 8.6 -> 9.5 us a
+    # layer with stage 1), so those keep four. Several rows a program gained nothing that one warp did not
+    # (notes/gpu-2026-12-01-s13/cascade_ab.json).
+    merge_warps = 1 if triton.next_power_of_2(num_splits + 1) * D <= 4096 else 4
     cfg = dict(
         block_m=block_m,
         block_n=block_n,
@@ -137,6 +146,7 @@ def choose_config(
         num_stages=num_stages,
         num_splits=num_splits,
         min_chunk=min_chunk,
+        merge_warps=merge_warps,
         pdl=pdl_enabled(device),
     )
     cfg.update(_env_overrides())

@@ -157,8 +157,9 @@ def test_kernel_split_counts_agree(num_splits, kernel_device):
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
 
 
-VARIANTS = [  # CascadeConfig fields a tuning run may set: TMA tiles, several rows per merge program
+VARIANTS = [  # CascadeConfig fields a tuning run may set: TMA tiles (the default) or not, rows and warps a merge
     dict(tma=True),
+    dict(tma=False, merge_warps=4),
     dict(merge_rows=2),
     dict(merge_rows=8, merge_warps=2),
     dict(tma=True, merge_rows=4, num_splits=3),
@@ -585,6 +586,13 @@ def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
     assert programs <= max(slots, B * Hkv * nrb)  # one split is the minimum
     if cfg.num_splits < live and B * Hkv * nrb <= slots:
         assert programs + B * Hkv * nrb > slots  # and the wave is as full as whole splits allow
+    assert cfg.tma  # full tiles through TMA wherever the device and layout allow (checked at launch)
+    states = 1 << cfg.num_splits.bit_length()  # next power of two of num_splits + 1
+    assert cfg.merge_warps == (1 if states * D <= 4096 else 4)  # a row's states in one warp's registers
+    if (B, N, capacity) in ((1, 64, 65600), (1, 64, 4160)):  # 8B verify: 16 / 8 splits, one-warp merges
+        assert cfg.merge_warps == 1
+    if (B, N, capacity) == (1, 1, 65600):  # 8B decode: 33 splits, four warps (one lost 1 us a layer)
+        assert cfg.merge_warps == 4
     if (B, N, capacity) == (1, 64, 65600):  # long cache: one-warpgroup programs, two per SM
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_splits) == (128, 64, 4, 16)  # 256 of 264 slots
     if (B, N, capacity) == (1, 64, 4160):  # short cache: 64 x 64 one-warpgroup programs, two per SM
