@@ -133,8 +133,8 @@ class SkinnyConfig:
     kernel for M <= GEMV_MAX_ROWS (BLOCK_M = M rounded up to a power of two, any BLOCK_N >= 1: no 16-row
     MMA padding, and narrow slices put many programs in flight). ``pdl``: launch the gemv kernel as a
     programmatic dependent launch (sm90+): its programs start while the previous kernel drains; they load
-    their first weight tile before waiting for it only for a ``constant_weight`` call. Under
-    ``TREECOMPILE_PDL=1`` (``_common.pdl_enabled``) every launch on a Hopper GPU is a dependent one."""
+    their first weight tile before waiting for it only for a ``constant_weight`` call. Where
+    ``_common.pdl_enabled`` holds (Hopper, unless ``TREECOMPILE_PDL=0``) every launch is a dependent one."""
 
     block_m: int
     block_n: int
@@ -337,8 +337,8 @@ def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool)
     N = weight.shape[0]
     if M > cfg.block_m:
         raise ValueError(f"config: the gemv kernel's block_m={cfg.block_m} must cover x's M={M}")
-    # A gemv_pdl table entry, or every launch under TREECOMPILE_PDL=1; the interpreter (CPU) has no
-    # grid-dependency control.
+    # A gemv_pdl table entry, or every launch where pdl_enabled holds (Hopper unless TREECOMPILE_PDL=0); the
+    # interpreter (CPU) has no grid-dependency control.
     pdl = (cfg.pdl or pdl_enabled(x.device)) and x.device.type == "cuda"
     extra = dict(launch_pdl=True) if pdl else {}
     _skinny_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](

@@ -77,7 +77,12 @@ def treespec_backend(
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
+        from treecompile.ops._common import inductor_pdl_patch
+
         patches = dict(list_mode_options(mode or "default"))
+        cuda = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        if cuda is not None:  # Hopper: Inductor's kernels as dependent launches, like treecompile's own
+            patches.update(inductor_pdl_patch(cuda))
         patches.update(settings.inductor_options)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     binding = settings.binding

@@ -26,6 +26,12 @@ def compile_inference(fn: types.FunctionType, name: str, **compile_kwargs) -> Ca
     """Inductor-compiled private copy of ``fn`` (``dynamic=False`` unless given) that always runs under
     ``no_grad``: with grad on, Inductor would build a joint graph the treespec ops cannot serve."""
     compile_kwargs.setdefault("dynamic", False)
+    if "mode" not in compile_kwargs and "backend" not in compile_kwargs:
+        from treecompile.ops._common import inductor_pdl_patch
+
+        patch = inductor_pdl_patch()  # Hopper: Inductor's kernels as dependent launches, like treecompile's
+        if patch:
+            compile_kwargs["options"] = {**patch, **compile_kwargs.get("options", {})}
     compiled = torch.compile(private_copy(fn, name), **compile_kwargs)
 
     def call(*args):

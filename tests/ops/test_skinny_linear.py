@@ -188,8 +188,11 @@ def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K,
 
 
 def test_dependent_launch_switch(monkeypatch):
-    """TREECOMPILE_PDL=1 turns dependent launches on only for CUDA devices of compute capability >= 9 and
-    never in the interpreter; unset (the default), or on the CPU, it is off."""
+    """Dependent launches are on by default for CUDA devices of compute capability >= 9, never in the
+    interpreter or on the CPU; TREECOMPILE_PDL=0 turns them off. Inductor's kernels of treecompile's own
+    compiles follow the same switch (inductor_pdl_patch)."""
+    import torch._inductor.config as inductor_config
+
     from treecompile.ops import _common
     from treecompile.ops._tree_attention_kernels import choose_config
 
@@ -197,19 +200,49 @@ def test_dependent_launch_switch(monkeypatch):
     monkeypatch.setattr(_common, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(_common, "triton_interpret", lambda: False)
     monkeypatch.delenv("TREECOMPILE_PDL", raising=False)
-    assert not _common.pdl_enabled(cuda0)
+    assert _common.pdl_enabled(cuda0)  # the default on Hopper
+    has_switch = hasattr(inductor_config, "triton.enable_pdl")
+    assert _common.inductor_pdl_patch(cuda0) == ({"triton.enable_pdl": True} if has_switch else {})
+    assert _common.inductor_pdl_patch(torch.device("cpu")) == {}
     monkeypatch.setenv("TREECOMPILE_PDL", "1")
     assert _common.pdl_enabled(cuda0)
     assert not _common.pdl_enabled(torch.device("cpu"))
     monkeypatch.setattr(_common, "_capability", lambda index: (8, 0))
     assert not _common.pdl_enabled(cuda0)  # Ampere has no programmatic dependent launch
+    assert _common.inductor_pdl_patch(cuda0) == {}
     monkeypatch.setattr(_common, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(_common, "triton_interpret", lambda: True)
     assert not _common.pdl_enabled(cuda0)
     monkeypatch.setenv("TREECOMPILE_PDL", "0")
     monkeypatch.setattr(_common, "triton_interpret", lambda: False)
     assert not _common.pdl_enabled(cuda0)
+    assert _common.inductor_pdl_patch(cuda0) == {}
     # the attention's config carries the switch; on the CPU (the interpreter's device) it stays off
     monkeypatch.setenv("TREECOMPILE_PDL", "1")
     assert not choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu")).pdl
     assert choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"), pdl=True).pdl  # a sweep's override
+
+
+def test_treecompile_compiles_ask_inductor_for_dependent_launches(monkeypatch):
+    """compile_inference (the drafter's hooks, DraftTree) passes Inductor the dependent-launch patch where
+    inductor_pdl_patch gives one, merged under the caller's own options, and none under a mode or another
+    backend (torch.compile takes options only with Inductor and without mode)."""
+    from treecompile import compiling
+    from treecompile.ops import _common
+
+    seen = []
+    monkeypatch.setattr(compiling.torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    monkeypatch.setattr(_common, "inductor_pdl_patch", lambda device=None: {"triton.enable_pdl": True})
+
+    def f(x):
+        return x + 1
+
+    compiling.compile_inference(f, "f_pdl")
+    compiling.compile_inference(f, "f_opts", options={"triton.enable_pdl": False, "max_autotune": False})
+    compiling.compile_inference(f, "f_mode", mode="reduce-overhead")
+    assert seen[0]["options"] == {"triton.enable_pdl": True} and seen[0]["dynamic"] is False
+    assert seen[1]["options"] == {"triton.enable_pdl": False, "max_autotune": False}  # the caller's own wins
+    assert "options" not in seen[2]
+    monkeypatch.setattr(_common, "inductor_pdl_patch", lambda device=None: {})
+    compiling.compile_inference(f, "f_cpu")
+    assert "options" not in seen[3]
