@@ -126,10 +126,13 @@ def fuse_projections_default(fuse_projections: bool | None, device: torch.device
 
 
 def skinny_linears_default(skinny_linears: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """``TreeSpeculator(skinny_linears=None)``: off. The H200 sweep's table (``ops/skinny_linear.py``) gives
-    SmolLM2's verify graph -5% and 8B rounds <= 1%, and its end-to-end effect is unmeasured (BENCHMARKS.md,
-    tenth session). True needs a 16-bit CUDA model (float32 keeps cuBLAS, see
-    :mod:`treecompile.passes.skinny_linears`)."""
+    """``TreeSpeculator(skinny_linears=None)``: on for 16-bit CUDA models, where the H200 sweep's table
+    (``ops/skinny_linear.py``) picks Triton only for shapes it measured faster than cuBLAS (H200, same call:
+    SmolLM2 plain decode 939 -> 990 tokens/s, 8B decode -74 us; BENCHMARKS.md, eleventh session; its speculator
+    GPU tests passed in the thirteenth). Off elsewhere. True needs a 16-bit CUDA model (float32 keeps cuBLAS,
+    see :mod:`treecompile.passes.skinny_linears`)."""
+    if skinny_linears is None:
+        return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     if not skinny_linears:
         return False
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
@@ -205,8 +208,8 @@ class TreeSpeculator:
         is refused.
     skinny_linears : run the target's and the drafter's 16-bit CUDA linears of <= 64 rows (decode, verify
         trees, draft lanes) through ``treespec::skinny_linear``, Triton tiles instead of cuBLAS, for the shapes
-        an H200 sweep measured faster (the rest stay on cuBLAS). Default off (small gains so far:
-        BENCHMARKS.md); True on a CPU or float32 model is refused.
+        an H200 sweep measured faster (the rest stay on cuBLAS). Default: on for 16-bit CUDA models, off
+        otherwise; True on a CPU or float32 model is refused.
     lookahead : with CUDA graphs, launch each round before reading the previous round's stop flags, so the
         GPU does not wait for the host between rounds (one extra round, which commits nothing, runs after
         the last request stops). False reads the flags after every round (for A/B timing).

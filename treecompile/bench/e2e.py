@@ -189,7 +189,7 @@ class Setup:
     head: str | None = None
     inductor: bool = False
     fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows; from the CLI: on for CUDA)
-    skinny_linears: bool = False  # few-row 16-bit CUDA GEMMs on treespec::skinny_linear (treecompile rows)
+    skinny_linears: bool | None = None  # treespec::skinny_linear for few-row GEMMs; None: the speculator's default
     lookahead: bool = True  # launch each round before reading the last one's stop flags (CUDA graphs)
     repeats: int = 1  # timed passes over the batches per row; tokens/s from the median pass
     dtype: str | None = None  # SmolLM2's dtype: None is bfloat16 on CUDA, float32 on CPU
@@ -607,7 +607,7 @@ def _setup_from_args(args) -> Setup:
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
                  inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device),
                  dtype=args.dtype, lookahead=args.lookahead, repeats=args.repeats,
-                 skinny_linears=bool(args.skinny_linears))  # fmt: skip
+                 skinny_linears=args.skinny_linears)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -629,9 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default cuda when available, else cpu")
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                         help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
-    parser.add_argument("--skinny-linears", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--skinny-linears", action=argparse.BooleanOptionalAction, default=None,
                         help="run the treecompile rows' few-row bf16/fp16 GEMMs on treespec::skinny_linear (Triton) "
-                             "instead of cuBLAS (default off)")
+                             "instead of cuBLAS (default: TreeSpeculator's, on for 16-bit CUDA models)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed passes over every batch per row; tokens/s from the median pass (default 1)")
     parser.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,

@@ -87,7 +87,7 @@ class Setup:
     inductor: bool = False  # compile the rewritten target with Inductor (fused norms / rope / MLP glue)
     profile_dir: str | None = None  # write a kernel-time table per treecompile variant here
     fuse_projections: bool | None = None  # q/k/v and gate/up as one linear each (None: TreeSpeculator default)
-    skinny_linears: bool = False  # few-row GEMMs on treespec::skinny_linear (Triton) instead of cuBLAS
+    skinny_linears: bool | None = None  # treespec::skinny_linear for few-row GEMMs; None: the speculator's default
 
     @property
     def graphs(self) -> bool:
@@ -651,7 +651,7 @@ def _setup_from_args(args) -> Setup:
         device=torch.device("cuda"), dtype=torch.bfloat16, target=dict(TARGET_8B), ctx=args.ctx or 2048,
         nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20, inductor=args.inductor,
         profile_dir=args.profile, fuse_projections=fuse_projections_default(args.fuse_projections, torch.device("cuda")),
-        skinny_linears=bool(args.skinny_linears),
+        skinny_linears=args.skinny_linears,
     )  # fmt: skip
 
 
@@ -676,9 +676,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also write a kernel-time table (torch.profiler) per variant into DIR")
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
                         help="q/k/v and gate/up as one linear each (default: TreeSpeculator's, on for CUDA, off for CPU)")
-    parser.add_argument("--skinny-linears", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--skinny-linears", action=argparse.BooleanOptionalAction, default=None,
                         help="run treecompile's few-row bf16 GEMMs on treespec::skinny_linear (Triton) instead of "
-                             "cuBLAS (default off)")
+                             "cuBLAS (default: TreeSpeculator's, on for 16-bit CUDA models)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not args.smoke and not torch.cuda.is_available():
