@@ -5,7 +5,8 @@
 Per point (B=1, Hq=32, Hkv=8, D=128, bf16, page 64; 8B Llama shapes), per layer with the attention bench's
 method (L layers over distinct caches in one CUDA graph, L2 cleaned before each replay, median replay / L):
 the default config, TMA prefix tiles, merge programs of 2-8 rows on 1-8 warps, both kernels as dependent
-launches, and TMA with the fastest merge. Every variant's output is compared with the default's. Then a
+launches, TMA with the fastest merge, and split counts below the default (thirteenth session's run had no
+split variants; the defaults have since become TMA + the one-warp merge rule, so "default" now means that). Every variant's output is compared with the default's. Then a
 profile of eager calls splits the default's and the fastest variant's time into stage 1 and the merge.
 The fastest variant per point is printed as a ``TREECOMPILE_CASCADE`` string, for the rounds A/B that follows.
 """
@@ -66,6 +67,11 @@ def main() -> None:
             variants[f"merge{rows}x{warps}w"] = choose_config(
                 1, N, HQ, HKV, D, cap, dev, None, merge_rows=rows, merge_warps=warps
             )
+        # Split counts below the default: the window programs (one column of the grid) then fit in the same
+        # wave as the prefix programs (2k N=64: 8 splits x 32 + 32 window programs = 288 > 264 slots).
+        ns = base_cfg.num_splits
+        for splits in sorted({max(1, ns // 2), max(1, ns - 1), max(1, (3 * ns) // 4)} - {ns}):
+            variants[f"splits{splits}"] = choose_config(1, N, HQ, HKV, D, cap, dev, splits)
         timed = {}
         for name, cfg in variants.items():
             try:

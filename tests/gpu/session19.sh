@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Next session's plan, first device call (carry .gguf/smol.gguf.part.aa, .gguf/sha256.txt, .whl; build them as
+# notes/gpu-2026-12-01-s11.md says): install, then the `-m gpu` tests of tests/ops and tests/passes under the
+# thirteenth session's new defaults (TMA tiles, the one-warp merge rule, dependent launches, skinny GEMMs on),
+# none of which has run the whole GPU suite yet; then cascade_ab.py with split-count variants.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
+mkdir -p /tmp/models && cp .gguf/smol.gguf.part.* .gguf/sha256.txt /tmp/models/ 2>/dev/null
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1 || { tail /tmp/install.log; exit 3; }
+timeout 330 python3 -m pytest -q -p no:cacheprovider --log-level=WARNING -m gpu tests/ops tests/passes \
+  > "$OUT/gpu_ops.log" 2>&1
+echo "gpu ops/passes rc=$? $(tail -1 "$OUT/gpu_ops.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_ops.log" | head
+timeout 150 python3 tests/gpu/cascade_ab.py "$OUT/cascade_ab.json" "2048:64,2048:1,65536:64" > "$OUT/cascade_ab.log" 2>&1
+echo "cascade_ab rc=$?"; grep -E "best|FAILED" "$OUT/cascade_ab.log" | cut -c1-300
