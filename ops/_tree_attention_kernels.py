@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import pdl_enabled, triton_interpret
+from ._common import _capability, pdl_enabled, triton_interpret
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def _env_overrides() -> dict:
     spec = os.environ.get(CASCADE_ENV, "").strip()
     if not spec:
         return {}
-    fields = {f.name: f.type for f in dataclasses.fields(CascadeConfig)}
+    fields = {f.name for f in dataclasses.fields(CascadeConfig)}
     out = {}
     for item in spec.split(","):
         key, sep, value = item.strip().partition("=")
@@ -245,7 +245,8 @@ def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:
     if page_size % block_n:
         return False
     if k_cache.is_cuda:
-        if triton_interpret() or torch.cuda.get_device_capability(k_cache.device)[0] < 9:
+        index = k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()
+        if triton_interpret() or _capability(index)[0] < 9:
             return False
     elif not triton_interpret():
         return False
