@@ -636,7 +636,7 @@ def _row_order(row: dict) -> tuple[int, int]:
 
 
 def _setup_from_args(args) -> Setup:
-    from treecompile.speculator import fuse_projections_default
+    from treecompile.speculator import fuse_projections_default, skinny_linears_default
 
     if args.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -651,7 +651,7 @@ def _setup_from_args(args) -> Setup:
         device=torch.device("cuda"), dtype=torch.bfloat16, target=dict(TARGET_8B), ctx=args.ctx or 2048,
         nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20, inductor=args.inductor,
         profile_dir=args.profile, fuse_projections=fuse_projections_default(args.fuse_projections, torch.device("cuda")),
-        skinny_linears=args.skinny_linears,
+        skinny_linears=skinny_linears_default(args.skinny_linears, torch.device("cuda"), torch.bfloat16),
     )  # fmt: skip
 
 
