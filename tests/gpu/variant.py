@@ -8,6 +8,9 @@
 ``--inductor KEY=VALUE``: sets ``torch._inductor.config.KEY`` (a Python literal) for every compile of the
 run, e.g. ``combo_kernels=True`` (Inductor fuses independent small kernels, such as a layer's q and k rope,
 into one launch).
+``--cascade-heavy FIELD=INT,...``: replaces cascade config fields (``CascadeConfig``) only for launches with
+more than 128 query rows a KV head (verify N=64 at GQA 4: 256), e.g. ``num_splits=6`` for the verify while
+the decode and draft lanes keep their own choice (``TREECOMPILE_CASCADE`` would set every launch).
 TARGET is a module run as ``python -m`` would (``treecompile.bench``) or a script path (``tests/gpu/x.py``).
 """
 
@@ -32,6 +35,28 @@ def drop_fold() -> None:
     passes.PASSES[:] = [p for p in passes.PASSES if p is not passes.fuse_cache_write]
 
 
+def cascade_heavy(spec: str) -> None:
+    import treecompile.ops._tree_attention_kernels as kernels
+
+    fields = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        fields[key.strip()] = int(value)
+    base = kernels.choose_config
+
+    def choose(B, R, Hq, Hkv, D, capacity, device, num_splits=None, itemsize=2, **override):
+        if R * (Hq // Hkv) > 128:
+            extra = dict(fields)
+            if "num_splits" in extra and num_splits is None:
+                num_splits = extra.pop("num_splits")
+            extra.pop("num_splits", None)
+            override = {**extra, **override}
+        return base(B, R, Hq, Hkv, D, capacity, device, num_splits, itemsize, **override)
+
+    kernels.choose_config = choose
+    print(f"variant: cascade fields {fields} for launches of > 128 rows a KV head", flush=True)
+
+
 def set_inductor(assignment: str) -> None:
     import ast
 
@@ -53,6 +78,8 @@ def main() -> None:
         elif flag == "--no-fold":
             drop_fold()
             print("variant: fuse_cache_write left out", flush=True)
+        elif flag == "--cascade-heavy":
+            cascade_heavy(args.pop(0))
         elif flag == "--inductor":
             set_inductor(args.pop(0))
         else:
