@@ -71,6 +71,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+SHORT_SPLIT_TILES = 6  # splits of at most this many key tiles (of capacity) keep the window programs in their wave
 LONG_CACHE = 8192  # keys of capacity from which compute-heavy rows use the paired one-warpgroup tile
 
 
@@ -105,7 +106,8 @@ def choose_config(
     num_warps = override.pop("num_warps", 4)
     # 4-byte inputs double every tile: fewer stages keep the 128-row configs inside shared memory.
     num_stages = override.pop("num_stages", (4 if pair else 3) if D <= 128 and itemsize <= 2 else 2)
-    if num_splits is None:
+    auto_splits = num_splits is None
+    if auto_splits:
         # Exactly one wave of prefix programs: a grid just past what the SMs hold at once runs a nearly empty
         # extra wave (N=64 at 64k: 17 splits x 16 programs = 272 > 264 two-per-SM slots took 250 us, 16 splits
         # 185 us). Window programs are one tile each and fill the gaps.
@@ -132,6 +134,20 @@ def choose_config(
     # only launch empty programs and give the merge empty states to read (SmolLM2 N=64 at P=256: 29 splits
     # 9.9 us a layer, 16 splits 9.1 us).
     num_splits = max(1, min(num_splits, triton.cdiv(capacity, min_chunk), 128))
+    # The window programs (the grid's last column, one per row block and KV head) belong in that wave too when
+    # a split is only a few tiles long: they then cost about as much as a prefix program, and the few that find
+    # no free slot run a second wave of their own (H200, 8B shapes, per layer: P=2k N=64 8 splits x 32 + 32 =
+    # 288 programs > 264 slots 19.3 us, 7 splits 15.7 us; P=2k N=1 33 x 8 + 8 = 272: 7.50 -> 7.13 us with 32
+    # splits; notes/gpu-2026-12-01-s14/cascade_ab.json). Long splits keep the overflow: one-tile window programs
+    # are then a small share of a 64-tile prefix program (64k N=64: 16 x 16 + 16 = 272 programs, 185 us, where
+    # 17 splits, a whole extra wave of prefix programs, took 250 us).
+    per_split = B * Hkv * nrb
+    slots = resident_ctas_per_sm(block_m, num_warps) * sms
+    if (
+        auto_splits and (num_splits + 1) * per_split > slots and num_splits > 1
+        and triton.cdiv(capacity, num_splits * block_n) <= SHORT_SPLIT_TILES
+    ):  # fmt: skip
+        num_splits = max(1, slots // per_split - 1)
     # The merge: one row a program. A row's NS + 1 states of D fp32 fit one warp's registers when there are
     # <= 4096 values (<= 128 a thread): then one warp a program beats four, whose cross-warp reduction goes
     # through shared memory (H200, 8B shapes, per layer: P=2k N=64, 8 splits, 7.5 -> 3.4 us; 16k / 64k N=64,

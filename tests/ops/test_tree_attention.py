@@ -568,13 +568,14 @@ def test_functional_compiles_fullgraph_without_value_checks():
     "B,N,Hq,Hkv,D,capacity",
     [(1, 64, 32, 8, 128, 65600), (1, 64, 32, 8, 128, 4160), (1, 16, 32, 8, 128, 65600), (1, 1, 32, 8, 128, 65600),
      (4, 64, 32, 8, 128, 8192), (3, 33, 28, 4, 128, 4096), (1, 64, 32, 8, 128, 300), (2, 7, 16, 2, 256, 2048),
-     (1, 64, 9, 3, 64, 1024), (1, 64, 9, 3, 64, 448), (4, 64, 9, 3, 64, 1024)],
+     (1, 64, 9, 3, 64, 1024), (1, 64, 9, 3, 64, 448), (4, 64, 9, 3, 64, 1024), (1, 64, 32, 8, 128, 2176),
+     (1, 1, 32, 8, 128, 2176), (1, 16, 32, 8, 128, 2176)],
     ids=lambda x: str(x),
 )  # fmt: skip
 def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
     """The static split count keeps the prefix programs within one wave of what the SMs hold at once (a grid
     just past it runs an almost empty extra wave) and never exceeds the splits of >= min_chunk keys the capacity
-    holds."""
+    holds. Where a split is only a few tiles long the window programs (one more column) fit that wave too."""
     from treecompile.ops import _tree_attention_kernels as kern
 
     monkeypatch.setattr(kern, "_num_sms", lambda index: 132)
@@ -585,8 +586,13 @@ def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
     live = -(-capacity // cfg.min_chunk)  # splits a full cache fills
     assert 1 <= cfg.num_splits <= live and cfg.min_chunk % cfg.block_n == 0
     assert programs <= max(slots, B * Hkv * nrb)  # one split is the minimum
+    short = -(-capacity // (cfg.num_splits * cfg.block_n)) <= kern.SHORT_SPLIT_TILES
+    window = B * Hkv * nrb if short and cfg.num_splits > 1 else 0  # window programs that must share the wave
+    assert programs + window <= max(slots, B * Hkv * nrb)
     if cfg.num_splits < live and B * Hkv * nrb <= slots:
-        assert programs + B * Hkv * nrb > slots  # and the wave is as full as whole splits allow
+        assert programs + window + B * Hkv * nrb > slots  # and the wave is as full as whole splits allow
+    if capacity == 2176 and Hkv == 8:  # 8B at ctx 2k: 7 verify splits (7 x 32 + 32 = 256), 32 decode splits
+        assert cfg.num_splits == (7 if N == 64 else 32)
     assert cfg.tma  # full tiles through TMA wherever the device and layout allow (checked at launch)
     states = 1 << cfg.num_splits.bit_length()  # next power of two of num_splits + 1
     assert cfg.merge_warps == (1 if states * D <= 4096 else 4)  # a row's states in one warp's registers
