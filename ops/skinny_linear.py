@@ -14,6 +14,14 @@ MMA padding; 4-8 wide output slices, so a 576-wide layer still has 144 programs)
 programmatic dependent launch: its programs become resident while the previous kernel drains (SmolLM2's
 1-row o projection: 3.35 us cuBLAS, 2.24 us gemv, 1.99 us gemv_pdl).
 
+Either kernel can also split the reduction dim K over ``split_k`` programs a slice (split-K): a shape with few
+output slices (the 8B qkv at 64 rows: 192 slices for 132 SMs, 1.45 waves) then fills every SM with weight
+streams. Each split writes a float32 partial ``[M, BLOCK_N]`` to a workspace; the split that arrives last at its
+slice (an atomic counter a slice, in a per-device table that every launch leaves zeroed) sums the partials in
+split order, so the result does not depend on arrival order (deterministic), adds the bias and stores. (The
+semaphore-ordered reduction of split-K / stream-K GEMMs: CUTLASS's ``Semaphore`` and the stream-K paper,
+Osama et al. 2023; written here for Triton.)
+
 Shapes
 ------
 x      [M, K]  float16 / bfloat16 / float32; 1 <= M <= MAX_ROWS; last dim contiguous, any row stride
@@ -143,6 +151,7 @@ class SkinnyConfig:
     num_stages: int = 3
     gemv: bool = False
     pdl: bool = False
+    split_k: int = 1  # programs a slice along K (split-K); > 1 reduces through a workspace + counter table
 
 
 # Measured on the H200 by tests/gpu/skinny_sweep.py (bf16, cold weights: each call reads another copy, as a
@@ -193,6 +202,8 @@ _MEASURED: dict[tuple[int, int, int], tuple] = {
     (1, 32000, 4096): (4, 512, 4, 2, 70.05, 66.65, "gemv_pdl"),  # 8B EAGLE-3 head: LM head (32k draft vocabulary)
     (4, 32000, 4096): (128, 256, 4, 3, 66.56, 67.59),
 }
+MAX_SPLIT_K = 16
+MAX_SLICES = 1 << 16  # output slices x row blocks one split-K launch may count in the counter table
 WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise of the sweep is ~1%)
 KINDS = ("dot", "gemv", "gemv_pdl")
 
@@ -216,9 +227,12 @@ def register_tiles(rows) -> int:
             raise ValueError(f"rows: best.kind must be one of {KINDS}, got {kind!r} for {r['M'], r['N'], r['K']}")
         if kind != "dot" and int(r["M"]) > GEMV_MAX_ROWS:
             raise ValueError(f"rows: a {kind} entry needs M <= {GEMV_MAX_ROWS}, got M={r['M']}")
+        split_k = int(best.get("split_k", 1))
+        if not 1 <= split_k <= MAX_SPLIT_K:
+            raise ValueError(f"rows: best.split_k must be in 1..{MAX_SPLIT_K}, got {split_k} for {r['M'], r['N'], r['K']}")
         _MEASURED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
-            float(best["us"]), float(r["cublas_us"]), kind,
+            float(best["us"]), float(r["cublas_us"]), kind, split_k,
         )  # fmt: skip
         added += 1
     return added
@@ -234,14 +248,15 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     _, entry = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
     block_n, block_k, warps, stages, us, cublas_us = entry[:6]
     kind = entry[6] if len(entry) > 6 else "dot"
+    split_k = entry[7] if len(entry) > 7 else 1
     if us > WIN_MARGIN * cublas_us:
         return None
+    tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=split_k)
     if kind != "dot":
         if M > GEMV_MAX_ROWS:  # a gemv measured at fewer rows does not stand in for this many
             return None
-        return gemv_config(M, N, K, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
-                           pdl=kind == "gemv_pdl")  # fmt: skip
-    return choose_skinny_config(M, N, K, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages)
+        return gemv_config(M, N, K, pdl=kind == "gemv_pdl", **tiles)
+    return choose_skinny_config(M, N, K, **tiles)
 
 
 def choose_skinny_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
@@ -280,27 +295,57 @@ def _launch_skinny_linear(
     if cfg.gemv:
         _launch_gemv(x, weight, bias, out, cfg, constant_weight)
         return
-    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m))
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
+    ws, counters, k_per_split = _split_k_buffers(x, M, N, K, cfg, grid[0] * grid[1])
     pdl = pdl_enabled(x.device)
     _skinny_linear_kernel[grid](
-        x, weight, bias if bias is not None else weight, out,
-        M, N, K, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
+        x, weight, bias if bias is not None else weight, out, ws, counters,
+        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}),
     )  # fmt: skip
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_k_buffers(x, M: int, N: int, K: int, cfg: SkinnyConfig, slices: int):
+    """``(workspace [split_k, M, N] float32, counters [MAX_SLICES] int32, k_per_split)`` of a split-K launch;
+    for ``split_k == 1`` unused stand-ins and K. The counter table is one per device, zeroed once and left
+    zeroed by every launch (the last split of a slice resets its counter), so a captured graph replays with
+    no memset. Launches on one stream run one after another (a dependent launch waits for the previous grid
+    before it touches the table); the table is not for concurrent launches on several streams."""
+    if cfg.split_k == 1:
+        return x, x, K
+    if not 1 <= cfg.split_k <= MAX_SPLIT_K:
+        raise ValueError(f"config: split_k must be in 1..{MAX_SPLIT_K}, got {cfg.split_k}")
+    if slices > MAX_SLICES:
+        raise ValueError(f"config: a split-K launch counts at most {MAX_SLICES} slices, got {slices} (block_n too small)")
+    counters = _COUNTERS.get(x.device)
+    if counters is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "skinny_linear: the first split-K launch on a device allocates its counter table, which cannot "
+                "happen under CUDA-graph capture: run the op once before capturing (a warm-up pass)"
+            )
+        counters = _COUNTERS[x.device] = torch.zeros(MAX_SLICES, dtype=torch.int32, device=x.device)
+    ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k) * cfg.block_k
+    return ws, counters, k_per_split
 
 
 if HAS_TRITON:
 
     @triton.jit
     def _skinny_linear_kernel(
-        x, w, b, out, M, N, K, s_xm, s_wn, s_om, s_b,
+        x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        """Program (n slice, m block): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias)."""
+        """Program (n slice, m block, k split): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias),
+        over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then reduced by ``_split_k_store``)."""
         if USE_PDL:  # TREECOMPILE_PDL: wait for the previous kernel, then let the next one launch
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -309,12 +354,14 @@ if HAS_TRITON:
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
+        k_lo = tl.program_id(2) * k_per_split  # k_per_split: whole BLOCK_K tiles (K itself when SPLIT_K == 1)
+        k_hi = tl.minimum(K, k_lo + k_per_split)
         # Rows past M / N read row 0 (in bounds) instead of a masked load: the hot loop carries only the K
         # mask, and the rows are dropped at the store.
-        x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + rk[None, :]
-        w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + rk[None, :]
+        x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :]
+        w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 xt = tl.load(x_ptrs)
                 wt = tl.load(w_ptrs)
@@ -325,11 +372,43 @@ if HAS_TRITON:
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if HAS_BIAS:
-            # any stride: a bias may be a view (a column of a wider table)
-            acc += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        slice_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        _split_k_store(acc, b, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _split_k_store(
+        acc, b, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr
+    ):  # fmt: skip
+        """Store ``acc [BLOCK_M, BLOCK_N]`` (+ bias) at out[rm, rn]. With SPLIT_K > 1 ``acc`` is this split's
+        partial: it goes to ``ws [SPLIT_K, M, N]``; the split that then finds its slice's counter at
+        SPLIT_K - 1 (the last to arrive) sums all SPLIT_K partials in split order (the same sum whichever
+        split is last), stores, and zeroes the counter for the next launch. The barrier makes every thread's
+        partial stores precede the counter's release (gpu scope); the partials are read through L2 (.cg),
+        never a stale L1 line."""
+        m_ok = rm < M
+        n_ok = rn < N
+        ok = m_ok[:, None] & n_ok[None, :]
         o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
-        tl.store(o_ptrs, acc.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if SPLIT_K == 1:
+            y = acc
+            if HAS_BIAS:
+                # any stride: a bias may be a view (a column of a wider table)
+                y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
+        else:
+            part = rm.to(tl.int64)[:, None] * N + rn[None, :]
+            tl.store(ws + tl.program_id(2).to(tl.int64) * M * N + part, acc, mask=ok)  # int64: no overflow
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters + slice_id, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                y = tl.zeros(acc.shape, tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    split_base = tl.full((), s, tl.int64) * M * N
+                    y += tl.load(ws + split_base + part, mask=ok, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
+                tl.atomic_xchg(counters + slice_id, 0, sem="relaxed", scope="gpu")
 
 
 def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool) -> None:
@@ -341,11 +420,13 @@ def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool)
     # interpreter (CPU) has no grid-dependency control.
     pdl = (cfg.pdl or pdl_enabled(x.device)) and x.device.type == "cuda"
     extra = dict(launch_pdl=True) if pdl else {}
-    _skinny_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out,
-        M, N, K, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
+    grid = (triton.cdiv(N, cfg.block_n), 1, cfg.split_k)
+    ws, counters, k_per_split = _split_k_buffers(x, M, N, K, cfg, grid[0])
+    _skinny_gemv_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, ws, counters,
+        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, USE_PDL=pdl, PREFETCH=pdl and constant_weight,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
 
@@ -354,11 +435,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_gemv_kernel(
-        x, w, b, out, M, N, K, s_xm, s_wn, s_om, s_b,
+        x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        """Program (n slice): out[:, n slice] = x @ w[n slice].T (+ bias), by multiply-add on CUDA cores.
+        """Program (n slice, -, k split): out[:, n slice] = x @ w[n slice].T (+ bias), by multiply-add on CUDA
+        cores; over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (reduced by ``_split_k_store``).
 
         A 1-row GEMM is a weight stream: 2 FLOPs a loaded element, nothing for tensor cores to win, and a
         16-row MMA tile would be 15/16 padding. Each step multiplies a [BLOCK_N, BLOCK_K] weight tile into a
@@ -373,11 +455,13 @@ if HAS_TRITON:
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
-        w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + rk[None, :]
-        x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + rk[None, :]
+        k_lo = tl.program_id(2) * k_per_split  # k_per_split: whole BLOCK_K tiles (K itself when SPLIT_K == 1)
+        k_hi = tl.minimum(K, k_lo + k_per_split)
+        w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :]
+        x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :]
         if USE_PDL and not PREFETCH:
             tl.extra.cuda.gdc_wait()  # the weight itself may be the previous kernel's output
-        wt = tl.load(w_ptrs, mask=(rk < K)[None, :], other=0.0)
+        wt = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0)
         if USE_PDL and PREFETCH:
             tl.extra.cuda.gdc_wait()  # everything below may read or overwrite the previous kernel's memory
         if USE_PDL:
@@ -385,18 +469,15 @@ if HAS_TRITON:
             # anything (every treecompile kernel does; Inductor's wait where they read this one's output).
             tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            xt = tl.load(x_ptrs, mask=((k0 + rk) < K)[None, :], other=0.0).to(tl.float32)
-            w_next = tl.load(w_ptrs + BLOCK_K, mask=((k0 + BLOCK_K + rk) < K)[None, :], other=0.0)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            xt = tl.load(x_ptrs, mask=((k0 + rk) < k_hi)[None, :], other=0.0).to(tl.float32)
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=((k0 + BLOCK_K + rk) < k_hi)[None, :], other=0.0)
             acc += xt[:, None, :] * wt.to(tl.float32)[None, :, :]
             wt = w_next
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         y = tl.sum(acc, axis=2)
-        if HAS_BIAS:
-            y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
-        tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        _split_k_store(y, b, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,13 @@ checked against F.linear first.
 the default), the gemv (multiply-add) kernel over its tile grid, and the three best gemv tiles again as
 programmatic dependent launches (each call's programs start while the previous call drains). Rows carry
 ``best.kind`` ("dot" / "gemv" / "gemv_pdl") for ``register_tiles``.
+
+    python3 tests/gpu/skinny_sweep.py out.json splitk|splitk-smoke
+
+``splitk``: the 8B shapes (1, 4, 64 rows) and SmolLM2's 64-row ones, biggest first; per shape cuBLAS, the
+shipped choice (the table's tiles, or the default), then split-K (2-8 splits a slice) over the shipped tiles,
+a wider and a narrower slice, and for <= 8 rows the gemv kernel as a dependent launch. Rows carry
+``best.split_k``.
 """
 
 import itertools
@@ -37,6 +44,10 @@ LLAMA8B_HEAD = [("8b head fc", 4096, 12288), ("8b head lm", 32000, 4096)]
 CASES += [(m, *s) for m in (1, 4, 64) for s in LLAMA8B]
 CASES += [(m, *s) for m in (1, 4) for s in LLAMA8B_HEAD] + [(m, "8b lm_head", 128256, 4096) for m in (1, 64)]
 L2_BYTES = 50 * 2**20
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 
@@ -77,10 +88,14 @@ def main() -> None:
     mode = sys.argv[2] if len(sys.argv) > 2 else ""
     quick, full = mode == "quick", mode in ("full", "smoke")
     gemv = mode in ("gemv", "gemv-smoke")
+    splitk = mode in ("splitk", "splitk-smoke")
     cases = CASES
+    if splitk:
+        cases = sorted((c for c in CASES if c[1].startswith("8b") or (c[0] == 64 and c[1].startswith("smol"))),
+                       key=lambda c: -c[2] * c[3])  # fmt: skip
     if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
         cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
-    if mode in ("smoke", "gemv-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+    if mode in ("smoke", "gemv-smoke", "splitk-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
         global DEVICE, DTYPE, L2_BYTES
         # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
@@ -98,7 +113,7 @@ def main() -> None:
         want = F.linear(x.float(), ws[0].float())
         row = dict(M=M, label=label, N=N, K=K, copies=copies)
         row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
-        default = (measured_tiles(M, N, K) if gemv else None) or choose_skinny_config(M, N, K)
+        default = (measured_tiles(M, N, K) if gemv or splitk else None) or choose_skinny_config(M, N, K)
         sweep = [default]
         grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4))  # 24 configs
         if full:
@@ -111,6 +126,23 @@ def main() -> None:
                     if max(1, 1 << (M - 1).bit_length()) * bn * bk <= 16384]  # fmt: skip
             if mode == "gemv-smoke":
                 grid = [(4, 16, 4, 2), (8, 32, 4, 3)]
+        if splitk:
+            # around the shipped tiles: its slice, one twice as wide and one half as wide; the gemv kernel too
+            # (as a dependent launch, its shipped form) for few rows. Each over 1-8 splits of K.
+            base = choose_skinny_config(M, N, K) if default.gemv else default
+            tiles = {(False, base.block_n, base.block_k, base.num_warps, base.num_stages)}
+            tiles |= {(False, bn, base.block_k, base.num_warps, base.num_stages)
+                      for bn in (base.block_n * 2, max(16, base.block_n // 2))}  # fmt: skip
+            if M <= GEMV_MAX_ROWS:
+                g = default if default.gemv else gemv_config(M, N, K)
+                tiles.add((True, g.block_n, g.block_k, g.num_warps, g.num_stages))
+            grid = []
+            for (is_gemv, bn, bk, warps, stages), sk in itertools.product(sorted(tiles), (1, 2, 3, 4, 6, 8)):
+                kw = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=sk)
+                if is_gemv:
+                    sweep.append(gemv_config(M, N, K, pdl=True, **kw))
+                elif triton_cdiv(K, bk) >= sk:
+                    sweep.append(choose_skinny_config(M, N, K, **kw))
         for bn, bk, warps, stages in grid:
             if bk > max(16, 1 << (K - 1).bit_length()):
                 continue
@@ -123,7 +155,7 @@ def main() -> None:
 
         def run(cfg):
             entry = dict(block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, warps=cfg.num_warps,
-                         stages=cfg.num_stages, kind=kind(cfg))  # fmt: skip
+                         stages=cfg.num_stages, kind=kind(cfg), split_k=cfg.split_k)  # fmt: skip
             try:
                 _launch_skinny_linear(x, ws[0], None, outs[0], config=cfg)
                 err = (outs[0].float() - want).abs().max().item()

@@ -115,6 +115,55 @@ def test_gemv_strided_rows_views_and_pdl_config(kernel_device):
     assert out_wide[:, 24:].isnan().all(), "wrote past the output's columns"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "M,N,K,bias,gemv,split_k,block_k",
+    [(1, 40, 130, False, True, 4, 32), (3, 17, 50, True, True, 7, 16), (5, 24, 200, True, False, 3, 32),
+     (20, 33, 96, False, False, 2, 16), (64, 48, 200, True, False, 5, 16), (8, 70, 1000, True, True, 16, 32)],
+)  # fmt: skip
+def test_split_k_matches_float64_linear(dtype, M, N, K, bias, gemv, split_k, block_k, kernel_device):
+    """Split-K (both kernels): splits of whole K tiles, a masked last tile, splits past K that hold no
+    tile (3 x 50 over 7 splits of 16: 3 empty), N not a multiple of the slice. The second call gives the
+    same bits (the partials are summed in split order) and each call leaves the counter table zeroed."""
+    from treecompile.ops.skinny_linear import _COUNTERS
+
+    d = kernel_device
+    x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, N, K, dtype, bias, seed=M * 10 + K))
+    make = gemv_config if gemv else choose_skinny_config
+    cfg = make(M, N, K, block_k=block_k, split_k=split_k)
+    outs = []
+    for _ in range(2):
+        out = poisoned((M, N), dtype, d)
+        _launch_skinny_linear(x, w, b, out, config=cfg)
+        assert int(_COUNTERS[x.device].abs().sum()) == 0, "a split-K launch left a counter set"
+        outs.append(out)
+    _check(outs[0].cpu(), x.cpu(), w.cpu(), None if b is None else b.cpu())
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_split_k_in_the_measured_table(monkeypatch):
+    """A sweep row with ``split_k`` reaches the launch config; a bad count is refused by name."""
+    from treecompile.ops import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "_MEASURED", dict(skinny_linear._MEASURED))
+    row = dict(M=64, N=96, K=512, cublas_us=10.0, best=dict(block_n=32, block_k=64, warps=4, stages=3, us=8.0,
+                                                           split_k=4))  # fmt: skip
+    assert skinny_linear.register_tiles([row]) == 1
+    cfg = skinny_linear.measured_tiles(64, 96, 512)
+    assert (cfg.split_k, cfg.block_n, cfg.block_k, cfg.gemv) == (4, 32, 64, False)
+    row["best"] = dict(row["best"], kind="gemv_pdl", split_k=2)
+    row["M"] = 1
+    skinny_linear.register_tiles([row])
+    cfg = skinny_linear.measured_tiles(1, 96, 512)
+    assert (cfg.split_k, cfg.gemv, cfg.pdl) == (2, True, True)
+    row["best"] = dict(row["best"], split_k=17)
+    with pytest.raises(ValueError, match="split_k must be in 1..16"):
+        skinny_linear.register_tiles([row])
+    x, w, _ = _inputs(2, 16, 16, torch.float32, False)
+    with pytest.raises(ValueError, match="split_k must be in 1..16"):
+        _launch_skinny_linear(x, w, None, torch.empty(2, 16), config=gemv_config(2, 16, 16, split_k=0))
+
+
 def test_gemv_config_refuses_too_many_rows():
     with pytest.raises(ValueError, match="M: the gemv kernel takes 1..8 rows"):
         gemv_config(9, 16, 16)
@@ -156,8 +205,8 @@ def test_bad_input_names_the_argument(make, match):
 @pytest.mark.parametrize(
     "M,N,K,kind",
     [(M, N, K, kind) for M, N, K in [(1, 960, 576), (8, 8192, 576), (64, 3072, 576), (1, 6144, 4096), (3, 100, 70)]
-     for kind in ("table", "table_pdl_env", "gemv", "gemv_pdl", "gemv_pdl_prefetch")
-     if kind.startswith("table") or M <= 8],  # gemv: <= 8 rows
+     for kind in ("table", "table_pdl_env", "gemv", "gemv_pdl", "gemv_pdl_prefetch", "dot_split4", "gemv_split4")
+     if not kind.startswith("gemv") or M <= 8],  # gemv: <= 8 rows
 )
 def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K, kind):
     """Each kernel in a CUDA graph, after another kernel that writes x (so a dependent launch that read x
@@ -169,7 +218,12 @@ def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K,
         if torch.cuda.get_device_capability()[0] < 9:
             pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
         monkeypatch.setenv("TREECOMPILE_PDL", "1")
-    cfg = None if kind.startswith("table") else gemv_config(M, N, K, pdl=kind.startswith("gemv_pdl"))
+    if kind.startswith("table"):
+        cfg = None
+    elif kind == "dot_split4":  # split-K: the counter table exists before capture (this eager call)
+        cfg = choose_skinny_config(M, N, K, split_k=4)
+    else:
+        cfg = gemv_config(M, N, K, pdl=kind.startswith("gemv_pdl"), split_k=4 if kind == "gemv_split4" else 1)
     constant = kind == "gemv_pdl_prefetch"  # the first weight tile loaded before the dependency wait
     x, w, b = (t.cuda() if t is not None else None for t in _inputs(M, N, K, dtype, bias=N % 2 == 1))
     src = torch.randn_like(x)
