@@ -15,9 +15,9 @@ the default), the gemv (multiply-add) kernel over its tile grid, and the three b
 programmatic dependent launches (each call's programs start while the previous call drains). Rows carry
 ``best.kind`` ("dot" / "gemv" / "gemv_pdl") for ``register_tiles``.
 
-    python3 tests/gpu/skinny_sweep.py out.json splitk|splitk-smoke
+    python3 tests/gpu/skinny_sweep.py out.json splitk|splitk-smoke [ROWS]      # ROWS: "1,4,64" (default)
 
-``splitk``: the 8B shapes (1, 4, 64 rows) and SmolLM2's 64-row ones, biggest first; per shape cuBLAS, the
+``splitk``: the 8B layer and head shapes at ROWS rows (not the target's LM head), biggest first; per shape cuBLAS, the
 shipped choice (the table's tiles, or the default), then split-K (2-8 splits a slice) over the shipped tiles,
 a wider and a narrower slice, and for <= 8 rows the gemv kernel as a dependent launch. Rows carry
 ``best.split_k``.
@@ -90,8 +90,9 @@ def main() -> None:
     gemv = mode in ("gemv", "gemv-smoke")
     splitk = mode in ("splitk", "splitk-smoke")
     cases = CASES
-    if splitk:
-        cases = sorted((c for c in CASES if c[1].startswith("8b") or (c[0] == 64 and c[1].startswith("smol"))),
+    if splitk:  # argv[3]: the row counts to sweep (default 1,4,64)
+        rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "1,4,64").split(",")]
+        cases = sorted((c for c in CASES if c[0] in rows and c[1].startswith("8b") and c[1] != "8b lm_head"),
                        key=lambda c: -c[2] * c[3])  # fmt: skip
     if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
         cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
