@@ -33,6 +33,31 @@ def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+L2_PREFETCH_MAX = 16  # tiles a program may hint into L2 ahead (a power of two: a tl.arange length)
+
+
+def check_l2_prefetch(name: str, tiles: int) -> int:
+    """``tiles`` of an ``l2_prefetch`` setting: 0 (off) or a power of two up to L2_PREFETCH_MAX. Returns the
+    count a launch uses: 0 under the interpreter, which has no inline PTX."""
+    if tiles < 0 or tiles > L2_PREFETCH_MAX or tiles & (tiles - 1):
+        raise ValueError(f"{name}: l2_prefetch must be 0 or a power of two up to {L2_PREFETCH_MAX}, got {tiles}")
+    return 0 if triton_interpret() else tiles
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def prefetch_l2(ptrs):
+        """Hint the 128-byte lines holding ``ptrs`` (any shape) into L2: PTX ``prefetch.global.L2``, one a
+        pointer. A hint never changes a result: L2 is where every SM's loads and stores of device memory meet,
+        so a line fetched early cannot be a stale copy. It may therefore be issued before a dependent launch's
+        ``gdc_wait``, on addresses computed from metadata that the previous kernel may still be writing (a
+        wrong address only wastes the hint); callers keep the addresses inside their tensors."""
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
 PDL_ENV = "TREECOMPILE_PDL"
 
 

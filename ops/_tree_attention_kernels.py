@@ -19,7 +19,9 @@ Full prefix tiles come through Hopper TMA descriptors where the device and the c
 viewed as ``[num_slots, Hkv * D]``, one box per tile: a tile never crosses a page; H200, 8B shapes, stage 1 at
 64k N=64 188 -> 163 us a layer); elsewhere, and for the masked tail tile, through pointer gathers. Tuning
 fields (``CascadeConfig``, or ``TREECOMPILE_CASCADE`` for a whole run): ``tma``, ``merge_rows`` (several rows a
-merge program), ``merge_warps``; every variant computes the same sums.
+merge program), ``merge_warps``, ``l2_prefetch`` (a split's first tiles hinted into L2 before the dependency wait,
+so they stream in while the previous kernel ends; off by default until timed on the GPU); every variant computes
+the same sums.
 
 Ideas from SGLang's triton_ops/decode_attention.py (split-K stage 1 / stage 2 with a fixed split count),
 flashinfer's cascade merge_state (base-2 LSE, empty-state guards) and SGLang's target_verify (prefix pass,
@@ -43,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _capability, pdl_enabled, triton_interpret
+from ._common import _capability, check_l2_prefetch, pdl_enabled, prefetch_l2, triton_interpret
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class CascadeConfig:
     merge_rows: int = 1  # query rows (b, r, hq) one merge program combines
     tma: bool = True  # full prefix tiles through Hopper TMA descriptors (when the device and layout allow)
     pdl: bool = False  # both kernels as programmatic dependent launches (_common.pdl_enabled)
+    l2_prefetch: int = 0  # first prefix tiles of a split hinted into L2 before anything waits (0: off)
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,6 +229,9 @@ def launch_cascade(
         k_new, v_new, new_slots = new_rows
     else:  # unused (NEW_ROWS=False): any tensors of the right kind
         k_new, v_new, new_slots = k_cache, v_cache, prefix_len
+    l2_prefetch = check_l2_prefetch("config", cfg.l2_prefetch)
+    if page_size % cfg.block_n:  # the hints take a tile to lie in one page (one page-table read a tile)
+        l2_prefetch = 0
     tma = cfg.tma and _tma_layout_ok(k_cache, v_cache, page_size, cfg.block_n)
     if tma:
         k_desc, v_desc = (_tile_descriptor(c, cfg.block_n) for c in (k_cache, v_cache))
@@ -242,7 +248,8 @@ def launch_cascade(
         HKV=Hkv, G=G, PAGE=page_size, WINDOW=window, NRB=nrb, D=D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
         MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None, TMA=tma, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        L2_PREFETCH=l2_prefetch, L2_LINES=max(1, D * k_cache.element_size() // 128),
+        L2_LINE_ELEMS=128 // k_cache.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     rows = B * R * Hq
     mr = cfg.merge_rows
@@ -297,8 +304,17 @@ def cascade_partial_kernel(
     HKV: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
     NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr, TMA: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr, L2_LINES: tl.constexpr, L2_LINE_ELEMS: tl.constexpr,
 ):  # fmt: skip
+    if L2_PREFETCH > 0:
+        # Before the dependency wait (under PDL the previous kernel may still run): hint this split's first
+        # L2_PREFETCH prefix tiles of K and V into L2, so the loads after the wait hit L2 instead of HBM.
+        # Prefix slots are written rounds earlier, never by the kernel just before; a stale prefix_len or
+        # page only wastes hints (prefetch_l2).
+        _prefetch_prefix_tiles(
+            k_cache, v_cache, page_table, prefix_len, s_kc, s_kh, s_vc, s_vh, s_pt, s_pp, s_pl, max_pages,
+            num_pages, NS, HKV, PAGE, NRB, D, BLOCK_N, MIN_CHUNK, L2_PREFETCH, L2_LINES, L2_LINE_ELEMS,
+        )  # fmt: skip
     if USE_PDL:
         # A dependent launch: wait for the previous kernel (it wrote q, and maybe the cache or the
         # metadata) before touching memory, then let the merge launch; it waits for this grid in turn.
@@ -396,6 +412,38 @@ def cascade_partial_kernel(
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_ptrs = o_part + (row[:, None] * (NS + 1) + split) * D + d[None, :]
     tl.store(o_ptrs, o, mask=(row_ok & ~empty)[:, None])
+
+
+@triton.jit
+def _prefetch_prefix_tiles(
+    k_cache, v_cache, page_table, prefix_len, s_kc, s_kh, s_vc, s_vh, s_pt, s_pp, s_pl, max_pages, num_pages, NS,
+    HKV: tl.constexpr, PAGE: tl.constexpr, NRB: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_CHUNK: tl.constexpr, TILES: tl.constexpr, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+):  # fmt: skip
+    """L2 hints for the first TILES tiles of this program's prefix split (the same chunk arithmetic as the
+    split's loop; PAGE % BLOCK_N == 0, so a tile lies in one page): [TILES, BLOCK_N, LINES] line addresses
+    of K and of V, LINES 128-byte lines a key row of one head. The window program hints nothing."""
+    split = tl.program_id(1)
+    if split < NS:
+        b = (tl.program_id(0) // NRB) // HKV
+        kvh = (tl.program_id(0) // NRB) % HKV
+        P = tl.load(prefix_len + b * s_pl)
+        p_end = tl.minimum(P, max_pages * PAGE)
+        n_blocks = tl.cdiv(p_end, BLOCK_N)
+        per_split = tl.maximum(tl.cdiv(n_blocks, NS), MIN_CHUNK // BLOCK_N)
+        first = split * per_split
+        tile = first + tl.arange(0, TILES)
+        ok = (tile < first + per_split) & (tile < n_blocks)
+        pt_row = page_table + b.to(tl.int64) * s_pt
+        page = tl.load(pt_row + (tile * BLOCK_N // PAGE) * s_pp, mask=ok, other=0).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # inside the cache whatever the table holds
+        slot = (page * PAGE + (tile * BLOCK_N) % PAGE)[:, None] + tl.arange(0, BLOCK_N)[None, :]
+        line = tl.arange(0, LINES) * LINE_ELEMS
+        keep = ok[:, None, None]
+        k_lines = k_cache + kvh.to(tl.int64) * s_kh + slot[:, :, None] * s_kc + line[None, None, :]
+        v_lines = v_cache + kvh.to(tl.int64) * s_vh + slot[:, :, None] * s_vc + line[None, None, :]
+        prefetch_l2(tl.where(keep, k_lines, k_cache))  # tiles past the split: the cache's first line again
+        prefetch_l2(tl.where(keep, v_lines, v_cache))
 
 
 @triton.jit

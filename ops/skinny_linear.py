@@ -22,6 +22,11 @@ split order, so the result does not depend on arrival order (deterministic), add
 semaphore-ordered reduction of split-K / stream-K GEMMs: CUTLASS's ``Semaphore`` and the stream-K paper,
 Osama et al. 2023; written here for Triton.)
 
+``l2_prefetch`` (a measured-table entry, or ``TREECOMPILE_SKINNY_L2_PREFETCH`` for a whole run): each program
+first hints the 128-byte lines of its first weight tiles into L2 (``_common.prefetch_l2``), before its dependency
+wait, so under dependent launches the weight streams in while the previous kernel ends. Off by default (no
+entry has it) until timed on the GPU.
+
 Shapes
 ------
 x      [M, K]  float16 / bfloat16 / float32; 1 <= M <= MAX_ROWS; last dim contiguous, any row stride
@@ -38,12 +43,15 @@ Only metadata is checked at the boundary: no host sync, safe under CUDA-graph ca
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, use_triton
+from ._common import (
+    HAS_TRITON, check_dim, check_dtype, check_l2_prefetch, check_same_device, pdl_enabled, prefetch_l2, use_triton,
+)
 
 if HAS_TRITON:
     import triton
@@ -152,6 +160,7 @@ class SkinnyConfig:
     gemv: bool = False
     pdl: bool = False
     split_k: int = 1  # programs a slice along K (split-K); > 1 reduces through a workspace + counter table
+    l2_prefetch: int = 0  # BLOCK_K tiles of a program's weight slice hinted into L2 before anything waits
 
 
 # Measured on the H200 by tests/gpu/skinny_sweep.py (bf16, cold weights: each call reads another copy, as a
@@ -230,9 +239,11 @@ def register_tiles(rows) -> int:
         split_k = int(best.get("split_k", 1))
         if not 1 <= split_k <= MAX_SPLIT_K:
             raise ValueError(f"rows: best.split_k must be in 1..{MAX_SPLIT_K}, got {split_k} for {r['M'], r['N'], r['K']}")
+        l2_prefetch = int(best.get("l2_prefetch", 0))
+        check_l2_prefetch(f"rows: best of {r['M'], r['N'], r['K']}", l2_prefetch)
         _MEASURED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
-            float(best["us"]), float(r["cublas_us"]), kind, split_k,
+            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch,
         )  # fmt: skip
         added += 1
     return added
@@ -249,9 +260,11 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     block_n, block_k, warps, stages, us, cublas_us = entry[:6]
     kind = entry[6] if len(entry) > 6 else "dot"
     split_k = entry[7] if len(entry) > 7 else 1
+    l2_prefetch = entry[8] if len(entry) > 8 else 0
     if us > WIN_MARGIN * cublas_us:
         return None
-    tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=split_k)
+    tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=split_k,
+                 l2_prefetch=l2_prefetch)  # fmt: skip
     if kind != "dot":
         if M > GEMV_MAX_ROWS:  # a gemv measured at fewer rows does not stand in for this many
             return None
@@ -304,8 +317,24 @@ def _launch_skinny_linear(
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        L2_PREFETCH=_l2_tiles(cfg), LINE_ELEMS=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}),
     )  # fmt: skip
+
+
+L2_PREFETCH_ENV = "TREECOMPILE_SKINNY_L2_PREFETCH"
+
+
+def _l2_tiles(cfg: SkinnyConfig) -> int:
+    """Weight tiles a program hints into L2 before its dependency wait: the config's, or for A/B runs the
+    ``TREECOMPILE_SKINNY_L2_PREFETCH`` count (0 or a power of two) for every launch; 0 in the interpreter."""
+    env = os.environ.get(L2_PREFETCH_ENV, "").strip()
+    if env:
+        try:
+            return check_l2_prefetch(L2_PREFETCH_ENV, int(env))
+        except ValueError as exc:
+            raise ValueError(f"{L2_PREFETCH_ENV}: {exc}") from None
+    return check_l2_prefetch("config", cfg.l2_prefetch)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -343,12 +372,10 @@ if HAS_TRITON:
         x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        L2_PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
     ):  # fmt: skip
         """Program (n slice, m block, k split): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias),
         over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then reduced by ``_split_k_store``)."""
-        if USE_PDL:  # TREECOMPILE_PDL: wait for the previous kernel, then let the next one launch
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
@@ -356,6 +383,11 @@ if HAS_TRITON:
         n_ok = rn < N
         k_lo = tl.program_id(2) * k_per_split  # k_per_split: whole BLOCK_K tiles (K itself when SPLIT_K == 1)
         k_hi = tl.minimum(K, k_lo + k_per_split)
+        if L2_PREFETCH > 0:  # before the wait: the weight's first tiles stream in while the previous kernel ends
+            _prefetch_weight(w, rn, n_ok, k_lo, k_hi, s_wn, BLOCK_K, L2_PREFETCH, LINE_ELEMS)
+        if USE_PDL:  # TREECOMPILE_PDL: wait for the previous kernel, then let the next one launch
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         # Rows past M / N read row 0 (in bounds) instead of a masked load: the hot loop carries only the K
         # mask, and the rows are dropped at the store.
         x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :]
@@ -374,6 +406,17 @@ if HAS_TRITON:
             w_ptrs += BLOCK_K
         slice_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         _split_k_store(acc, b, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _prefetch_weight(
+        w, rn, n_ok, k_lo, k_hi, s_wn, BLOCK_K: tl.constexpr, TILES: tl.constexpr, LINE_ELEMS: tl.constexpr
+    ):  # fmt: skip
+        """L2 hints for the 128-byte lines of w[rn, k_lo : k_lo + TILES * BLOCK_K] (clipped to k_hi): the
+        [BLOCK_N, lines] addresses of the program's first TILES weight tiles (``prefetch_l2``: a hint, so it
+        may precede the dependency wait even if the weight were being written)."""
+        col = k_lo + tl.arange(0, (TILES * BLOCK_K) // LINE_ELEMS) * LINE_ELEMS
+        lines = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + col[None, :]
+        prefetch_l2(tl.where((col < k_hi)[None, :], lines, w))
 
     @triton.jit
     def _split_k_store(
@@ -427,6 +470,7 @@ def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool)
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, USE_PDL=pdl, PREFETCH=pdl and constant_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        L2_PREFETCH=_l2_tiles(cfg), LINE_ELEMS=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
 
@@ -438,6 +482,7 @@ if HAS_TRITON:
         x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        L2_PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
     ):  # fmt: skip
         """Program (n slice, -, k split): out[:, n slice] = x @ w[n slice].T (+ bias), by multiply-add on CUDA
         cores; over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (reduced by ``_split_k_store``).
@@ -459,6 +504,8 @@ if HAS_TRITON:
         k_hi = tl.minimum(K, k_lo + k_per_split)
         w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :]
         x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :]
+        if L2_PREFETCH > 0:  # hints only: ahead of the wait in either case (the tiles after the first one)
+            _prefetch_weight(w, rn, n_ok, k_lo + BLOCK_K, k_hi, s_wn, BLOCK_K, L2_PREFETCH, LINE_ELEMS)
         if USE_PDL and not PREFETCH:
             tl.extra.cuda.gdc_wait()  # the weight itself may be the previous kernel's output
         wt = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0)

@@ -72,6 +72,9 @@ def main() -> None:
         ns = base_cfg.num_splits
         for splits in sorted({max(1, ns // 2), max(1, ns - 1), max(1, (3 * ns) // 4)} - {ns}):
             variants[f"splits{splits}"] = choose_config(1, N, HQ, HKV, D, cap, dev, splits)
+        # L2 hints of each split's first tiles before the dependency wait (fourteenth session's l2_prefetch)
+        for tiles in (1, 2, 4, 8):
+            variants[f"l2pf{tiles}"] = choose_config(1, N, HQ, HKV, D, cap, dev, None, l2_prefetch=tiles)
         timed = {}
         for name, cfg in variants.items():
             try:
@@ -104,7 +107,7 @@ def main() -> None:
         ok = {n: v for n, v in timed.items() if v[1] < 5e-2 and "pdl" not in n}  # pdl: set by env, not here
         best = min(ok, key=lambda n: ok[n][0])
         bc = ok[best][2]
-        env = f"tma={int(bc.tma)},merge_rows={bc.merge_rows},merge_warps={bc.merge_warps}"
+        env = f"tma={int(bc.tma)},merge_rows={bc.merge_rows},merge_warps={bc.merge_warps},l2_prefetch={bc.l2_prefetch}"
         split = {"default": kernel_split(point, base_cfg), best: kernel_split(point, bc)}
         print(f"P={P} N={N} L={L}: default {timed['default'][0] * 1e3:.2f} us, best {best} "
               f"{ok[best][0] * 1e3:.2f} us -> TREECOMPILE_CASCADE={env}; kernels (us/call): {split} "

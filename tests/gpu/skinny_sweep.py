@@ -23,6 +23,7 @@ a wider and a narrower slice, and for <= 8 rows the gemv kernel as a dependent l
 ``best.split_k``.
 """
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -144,6 +145,9 @@ def main() -> None:
                     sweep.append(gemv_config(M, N, K, pdl=True, **kw))
                 elif triton_cdiv(K, bk) >= sk:
                     sweep.append(choose_skinny_config(M, N, K, **kw))
+            # L2 hints of the first weight tiles before the dependency wait, on the shipped choice
+            for tiles_ahead in (2, 4, 8):
+                sweep.append(dataclasses.replace(default, l2_prefetch=tiles_ahead))
         for bn, bk, warps, stages in grid:
             if bk > max(16, 1 << (K - 1).bit_length()):
                 continue
@@ -156,7 +160,8 @@ def main() -> None:
 
         def run(cfg):
             entry = dict(block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, warps=cfg.num_warps,
-                         stages=cfg.num_stages, kind=kind(cfg), split_k=cfg.split_k)  # fmt: skip
+                         stages=cfg.num_stages, kind=kind(cfg), split_k=cfg.split_k,
+                         l2_prefetch=cfg.l2_prefetch)  # fmt: skip
             try:
                 _launch_skinny_linear(x, ws[0], None, outs[0], config=cfg)
                 err = (outs[0].float() - want).abs().max().item()

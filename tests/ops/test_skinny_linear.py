@@ -142,7 +142,7 @@ def test_split_k_matches_float64_linear(dtype, M, N, K, bias, gemv, split_k, blo
 
 
 def test_split_k_in_the_measured_table(monkeypatch):
-    """A sweep row with ``split_k`` reaches the launch config; a bad count is refused by name."""
+    """A sweep row with ``split_k`` or ``l2_prefetch`` reaches the launch config; bad counts are refused by name."""
     from treecompile.ops import skinny_linear
 
     monkeypatch.setattr(skinny_linear, "_MEASURED", dict(skinny_linear._MEASURED))
@@ -156,12 +156,40 @@ def test_split_k_in_the_measured_table(monkeypatch):
     skinny_linear.register_tiles([row])
     cfg = skinny_linear.measured_tiles(1, 96, 512)
     assert (cfg.split_k, cfg.gemv, cfg.pdl) == (2, True, True)
-    row["best"] = dict(row["best"], split_k=17)
+    row["best"] = dict(row["best"], l2_prefetch=4)
+    skinny_linear.register_tiles([row])
+    assert skinny_linear.measured_tiles(1, 96, 512).l2_prefetch == 4
+    row["best"] = dict(row["best"], l2_prefetch=3)
+    with pytest.raises(ValueError, match="l2_prefetch must be 0 or a power of two"):
+        skinny_linear.register_tiles([row])
+    row["best"] = dict(row["best"], l2_prefetch=0, split_k=17)
     with pytest.raises(ValueError, match="split_k must be in 1..16"):
         skinny_linear.register_tiles([row])
     x, w, _ = _inputs(2, 16, 16, torch.float32, False)
     with pytest.raises(ValueError, match="split_k must be in 1..16"):
         _launch_skinny_linear(x, w, None, torch.empty(2, 16), config=gemv_config(2, 16, 16, split_k=0))
+
+
+def test_l2_prefetch_env_is_checked_and_changes_no_result(monkeypatch, kernel_device):
+    """TREECOMPILE_SKINNY_L2_PREFETCH (A/B runs: weight tiles hinted into L2 before the dependency wait) is 0 or
+    a power of two <= 16, refused by name otherwise; the hints never change a result (GPU: the hints run; the
+    interpreter drops them)."""
+    from treecompile.ops.skinny_linear import L2_PREFETCH_ENV
+
+    d = kernel_device
+    x, w, b = (t.to(d) for t in _inputs(3, 40, 300, torch.float32, True))
+    for cfg in (choose_skinny_config(3, 40, 300), gemv_config(3, 40, 300, block_k=64)):
+        want = poisoned((3, 40), torch.float32, d)
+        _launch_skinny_linear(x, w, b, want, config=cfg)
+        monkeypatch.setenv(L2_PREFETCH_ENV, "4")
+        out = poisoned((3, 40), torch.float32, d)
+        _launch_skinny_linear(x, w, b, out, config=cfg)
+        assert torch.equal(out, want)
+        for bad in ("3", "32", "x"):
+            monkeypatch.setenv(L2_PREFETCH_ENV, bad)
+            with pytest.raises(ValueError, match=L2_PREFETCH_ENV):
+                _launch_skinny_linear(x, w, b, out, config=cfg)
+        monkeypatch.delenv(L2_PREFETCH_ENV)
 
 
 def test_gemv_config_refuses_too_many_rows():
@@ -205,7 +233,8 @@ def test_bad_input_names_the_argument(make, match):
 @pytest.mark.parametrize(
     "M,N,K,kind",
     [(M, N, K, kind) for M, N, K in [(1, 960, 576), (8, 8192, 576), (64, 3072, 576), (1, 6144, 4096), (3, 100, 70)]
-     for kind in ("table", "table_pdl_env", "gemv", "gemv_pdl", "gemv_pdl_prefetch", "dot_split4", "gemv_split4")
+     for kind in ("table", "table_pdl_env", "table_l2", "gemv", "gemv_pdl", "gemv_pdl_prefetch", "dot_split4",
+                  "gemv_split4")
      if not kind.startswith("gemv") or M <= 8],  # gemv: <= 8 rows
 )
 def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K, kind):
@@ -214,6 +243,8 @@ def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K,
     TREECOMPILE_PDL=1, so the MMA kernel too runs as a dependent launch."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    if kind == "table_l2":  # four weight tiles a program hinted into L2 before the dependency wait
+        monkeypatch.setenv("TREECOMPILE_SKINNY_L2_PREFETCH", "4")
     if kind == "table_pdl_env":
         if torch.cuda.get_device_capability()[0] < 9:
             pytest.skip("programmatic dependent launch needs compute capability >= 9.0")

@@ -38,31 +38,39 @@ def _cases() -> dict:
     """name -> (module, kernel, constexprs, types, unaligned args, num_warps, num_stages)."""
     cases = {}
     for tma in (False, True):
-        for new_rows, pdl in ((False, False), (True, True)):
+        for new_rows, pdl, l2 in ((False, False, 0), (True, True, 0), (True, True, 4)):
             types = dict(CASCADE_TYPES)
             if tma:
                 types["k_desc"] = types["v_desc"] = "tensordesc<bf16[64,128]>"
             const = dict(HKV=8, G=4, PAGE=64, WINDOW=64, NRB=4, D=128, BLOCK_M=64, BLOCK_N=64, BLOCK_W=64,
-                         MIN_CHUNK=256, PREC="tf32", NEW_ROWS=new_rows, TMA=tma, USE_PDL=pdl)  # fmt: skip
-            name = f"stage1-{'tma' if tma else 'pointers'}-{'write+pdl' if pdl else 'plain'}"
+                         MIN_CHUNK=256, PREC="tf32", NEW_ROWS=new_rows, TMA=tma, USE_PDL=pdl, L2_PREFETCH=l2,
+                         L2_LINES=2, L2_LINE_ELEMS=64)  # fmt: skip
+            name = f"stage1-{'tma' if tma else 'pointers'}-{'write+pdl' if pdl else 'plain'}{'-l2' if l2 else ''}"
             cases[name] = ("_tree_attention_kernels", "cascade_partial_kernel", const, types, CASCADE_SCALARS, 4, 3)
     for rows, pdl in ((1, True), (4, False)):
         cases[f"merge-rows{rows}"] = (
             "_tree_attention_kernels", "cascade_merge_kernel", dict(D=128, BLOCK_S=16, ROWS=rows, USE_PDL=pdl),
             dict(o_part="*fp32", lse_part="*fp32", out="*bf16"), ("num_rows", "NS"), 1 if rows == 1 else 4, 3,
         )  # fmt: skip
-    for split_k in (1, 4):
+    for split_k, l2 in ((1, 0), (4, 0), (1, 4)):
         const = dict(HAS_BIAS=True, EVEN_K=True, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128,
-                     SPLIT_K=split_k)  # fmt: skip
-        cases[f"skinny-mma-split{split_k}"] = ("skinny_linear", "_skinny_linear_kernel", const, SKINNY_TYPES,
-                                               ("M", "s_b"), 4, 4)  # fmt: skip
-    for split_k, prefetch in ((1, True), (4, True), (4, False)):
+                     SPLIT_K=split_k, L2_PREFETCH=l2, LINE_ELEMS=64)  # fmt: skip
+        cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}"] = (
+            "skinny_linear", "_skinny_linear_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 4,
+        )  # fmt: skip
+    for split_k, prefetch, l2 in ((1, True, 0), (4, True, 0), (4, False, 0), (1, True, 2)):
         const = dict(HAS_BIAS=False, USE_PDL=True, PREFETCH=prefetch, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512,
-                     SPLIT_K=split_k)  # fmt: skip
-        cases[f"skinny-gemv-split{split_k}-{'prefetch' if prefetch else 'wait'}"] = (
+                     SPLIT_K=split_k, L2_PREFETCH=l2, LINE_ELEMS=64)  # fmt: skip
+        cases[f"skinny-gemv-split{split_k}-{'prefetch' if prefetch else 'wait'}{'-l2' if l2 else ''}"] = (
             "skinny_linear", "_skinny_gemv_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 3,
         )  # fmt: skip
     return cases
+
+
+def _hints_before_wait(ptx: str) -> bool:
+    """Whether the first L2 hint comes before the first dependency wait (``griddepcontrol.wait``) in the PTX."""
+    hint, wait = ptx.find("prefetch.global.L2"), ptx.find("griddepcontrol.wait")
+    return hint >= 0 and (wait < 0 or hint < wait)
 
 
 def _compile_all() -> dict:
@@ -92,6 +100,8 @@ def _compile_all() -> dict:
             report[name] = dict(
                 cubin_bytes=len(compiled.asm["cubin"]), async_copies=len(ASYNC_COPY.findall(ttgir)),
                 tma_copies=ttgir.count("async_tma_copy_global_to_local"), atomics=ttgir.count("tt.atomic_rmw"),
+                l2_hints=compiled.asm["ptx"].count("prefetch.global.L2"),
+                hints_before_wait=_hints_before_wait(compiled.asm["ptx"]),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
             report[name] = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -122,6 +132,17 @@ def test_cascade_stage1_compiles_and_pipelines_the_prefix_loop(report, tma, mode
     entry = _entry(report, f"stage1-{tma}-{mode}")
     assert entry["async_copies"] >= 2, "the prefix loop's K/V loads are not async copies"
     assert (entry["tma_copies"] > 0) == (tma == "tma")
+
+
+@pytest.mark.parametrize(
+    "name", ["stage1-pointers-write+pdl-l2", "stage1-tma-write+pdl-l2", "skinny-mma-split1-l2",
+             "skinny-gemv-split1-prefetch-l2"],
+)  # fmt: skip
+def test_l2_prefetch_hints_come_before_the_dependency_wait(report, name):
+    """``l2_prefetch``: the hints are in the PTX and ahead of ``griddepcontrol.wait``; without it, none."""
+    entry = _entry(report, name)
+    assert entry["l2_hints"] > 0 and entry["hints_before_wait"]
+    assert _entry(report, name[: -len("-l2")])["l2_hints"] == 0
 
 
 @pytest.mark.parametrize("rows", [1, 4])

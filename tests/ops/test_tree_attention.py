@@ -163,6 +163,8 @@ VARIANTS = [  # CascadeConfig fields a tuning run may set: TMA tiles (the defaul
     dict(merge_rows=2),
     dict(merge_rows=8, merge_warps=2),
     dict(tma=True, merge_rows=4, num_splits=3),
+    dict(l2_prefetch=4),  # L2 hints before the dependency wait: GPU only (the interpreter has no inline PTX)
+    dict(tma=False, l2_prefetch=2, num_splits=3),
 ]
 
 
@@ -224,6 +226,16 @@ def test_cascade_env_overrides(monkeypatch):
         monkeypatch.setenv(kern.CASCADE_ENV, bad)
         with pytest.raises(ValueError, match=word):
             kern.choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"))
+    # l2_prefetch: 0 or a power of two <= 16, checked at launch (the interpreter then runs without the hints)
+    monkeypatch.setenv(kern.CASCADE_ENV, "l2_prefetch=4")
+    assert kern.choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu")).l2_prefetch == 4
+    gen = torch.Generator().manual_seed(1)
+    q, kc, vc, pt, pl, _ = make_paged(1, 3, 2, 1, 16, 16, 3, [20], 3, torch.float32, gen)
+    mask = random_tree_mask(3, gen)[None]
+    for bad in (3, 32, -1):
+        monkeypatch.setenv(kern.CASCADE_ENV, f"l2_prefetch={bad}")
+        with pytest.raises(ValueError, match="l2_prefetch must be 0 or a power of two up to 16"):
+            kern.launch_cascade(q, kc, vc, pt, pl, mask, 16, 3, 0.1)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256], ids=lambda d: f"D{d}")
