@@ -74,7 +74,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-SHORT_SPLIT_TILES = 6  # splits of at most this many key tiles (of capacity) keep the window programs in their wave
+SHORT_SPLIT_KEYS = 384  # splits of at most this many keys (of capacity) keep the window programs in their wave
 LONG_CACHE = 8192  # keys of capacity from which compute-heavy rows use the paired one-warpgroup tile
 
 
@@ -138,7 +138,8 @@ def choose_config(
     # 9.9 us a layer, 16 splits 9.1 us).
     num_splits = max(1, min(num_splits, triton.cdiv(capacity, min_chunk), 128))
     # The window programs (the grid's last column, one per row block and KV head) belong in that wave too when
-    # a split is only a few tiles long: they then cost about as much as a prefix program, and the few that find
+    # a split is only a few 64-key tiles long (<= 384 keys; a window program is one 64-key tile, whatever
+    # block_n): they then cost about as much as a prefix program, and the few that find
     # no free slot run a second wave of their own (H200, 8B shapes, per layer: P=2k N=64 8 splits x 32 + 32 =
     # 288 programs > 264 slots 19.3 us, 7 splits 15.7 us; P=2k N=1 33 x 8 + 8 = 272: 7.50 -> 7.13 us with 32
     # splits; notes/gpu-2026-12-01-s14/cascade_ab.json). Long splits keep the overflow: one-tile window programs
@@ -148,7 +149,7 @@ def choose_config(
     slots = resident_ctas_per_sm(block_m, num_warps) * sms
     if (
         auto_splits and (num_splits + 1) * per_split > slots and num_splits > 1
-        and triton.cdiv(capacity, num_splits * block_n) <= SHORT_SPLIT_TILES
+        and triton.cdiv(capacity, num_splits) <= SHORT_SPLIT_KEYS
     ):  # fmt: skip
         num_splits = max(1, slots // per_split - 1)
     # The merge: one row a program. A row's NS + 1 states of D fp32 fit one warp's registers when there are

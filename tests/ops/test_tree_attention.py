@@ -598,7 +598,7 @@ def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
     live = -(-capacity // cfg.min_chunk)  # splits a full cache fills
     assert 1 <= cfg.num_splits <= live and cfg.min_chunk % cfg.block_n == 0
     assert programs <= max(slots, B * Hkv * nrb)  # one split is the minimum
-    short = -(-capacity // (cfg.num_splits * cfg.block_n)) <= kern.SHORT_SPLIT_TILES
+    short = -(-capacity // cfg.num_splits) <= kern.SHORT_SPLIT_KEYS
     window = B * Hkv * nrb if short and cfg.num_splits > 1 else 0  # window programs that must share the wave
     assert programs + window <= max(slots, B * Hkv * nrb)
     if cfg.num_splits < live and B * Hkv * nrb <= slots:
