@@ -139,10 +139,10 @@ def choose_config(
     num_splits = max(1, min(num_splits, triton.cdiv(capacity, min_chunk), 128))
     # The window programs (the grid's last column, one per row block and KV head) belong in that wave too when
     # a split is only a few 64-key tiles long (<= 384 keys; a window program is one 64-key tile, whatever
-    # block_n): they then cost about as much as a prefix program, and the few that find
-    # no free slot run a second wave of their own (H200, 8B shapes, per layer: P=2k N=64 8 splits x 32 + 32 =
-    # 288 programs > 264 slots 19.3 us, 7 splits 15.7 us; P=2k N=1 33 x 8 + 8 = 272: 7.50 -> 7.13 us with 32
-    # splits; notes/gpu-2026-12-01-s14/cascade_ab.json). Long splits keep the overflow: one-tile window programs
+    # block_n): they then cost about as much as a prefix program, and the few that find no free slot run a
+    # second wave of their own (H200, 8B shapes, per layer: P=2k N=64 8 splits x 32 + 32 = 288 programs > 264
+    # slots 19.3 us, 7 splits 15.7 us; P=2k N=1 33 x 8 + 8 = 272: 7.50 -> 7.13 us with 32 splits;
+    # notes/gpu-2026-12-01-s14/cascade_ab.json). Long splits keep the overflow: one-tile window programs
     # are then a small share of a 64-tile prefix program (64k N=64: 16 x 16 + 16 = 272 programs, 185 us, where
     # 17 splits, a whole extra wave of prefix programs, took 250 us).
     per_split = B * Hkv * nrb
