@@ -113,7 +113,7 @@ def choose_config(
     if auto_splits:
         # Exactly one wave of prefix programs: a grid just past what the SMs hold at once runs a nearly empty
         # extra wave (N=64 at 64k: 17 splits x 16 programs = 272 > 264 two-per-SM slots took 250 us, 16 splits
-        # 185 us). Window programs are one tile each and fill the gaps.
+        # 185 us). Window programs are one tile each; where splits are short they get room in the wave (below).
         num_splits = max(1, resident_ctas_per_sm(block_m, num_warps) * sms // (B * Hkv * nrb))
     # A split writes BLOCK_M x D fp32 partials. Compute-heavy rows (> 128 a KV head: verify N=64) give each
     # split >= 4 * BLOCK_M keys so that stays <= 1/4 of its K/V reads. Few rows (decode, draft lanes, N <= 32
@@ -347,11 +347,7 @@ def cascade_partial_kernel(
 
     if split < NS:
         # Prefix split: whole BLOCK_N tiles, >= MIN_CHUNK keys per split, the last split takes the rest.
-        p_end = tl.minimum(P, capacity)  # a bad prefix_len must not read past the page table
-        n_blocks = tl.cdiv(p_end, BLOCK_N)
-        per_split = tl.maximum(tl.cdiv(n_blocks, NS), MIN_CHUNK // BLOCK_N)
-        start = split * per_split * BLOCK_N
-        end = tl.minimum(start + per_split * BLOCK_N, p_end)
+        start, end = _split_keys(P, capacity, split, NS, BLOCK_N, MIN_CHUNK)
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         # Full tiles need no key mask (the hot loop); at most one partial tile follows.
         for start_n in range(start, full_end, BLOCK_N):
@@ -416,6 +412,17 @@ def cascade_partial_kernel(
 
 
 @triton.jit
+def _split_keys(P, capacity, split, NS, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """Keys ``[start, end)`` of prefix split ``split``: whole BLOCK_N tiles, >= MIN_CHUNK keys a split, the
+    last split takes the rest; empty (start >= end) for splits past the prefix. A bad prefix_len never
+    reaches past the page table (``capacity`` keys)."""
+    p_end = tl.minimum(P, capacity)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(p_end, BLOCK_N), NS), MIN_CHUNK // BLOCK_N)
+    start = split * per_split * BLOCK_N
+    return start, tl.minimum(start + per_split * BLOCK_N, p_end)
+
+
+@triton.jit
 def _prefetch_prefix_tiles(
     k_cache, v_cache, page_table, prefix_len, s_kc, s_kh, s_vc, s_vh, s_pt, s_pp, s_pl, max_pages, num_pages, NS,
     HKV: tl.constexpr, PAGE: tl.constexpr, NRB: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -428,13 +435,9 @@ def _prefetch_prefix_tiles(
     if split < NS:
         b = (tl.program_id(0) // NRB) // HKV
         kvh = (tl.program_id(0) // NRB) % HKV
-        P = tl.load(prefix_len + b * s_pl)
-        p_end = tl.minimum(P, max_pages * PAGE)
-        n_blocks = tl.cdiv(p_end, BLOCK_N)
-        per_split = tl.maximum(tl.cdiv(n_blocks, NS), MIN_CHUNK // BLOCK_N)
-        first = split * per_split
-        tile = first + tl.arange(0, TILES)
-        ok = (tile < first + per_split) & (tile < n_blocks)
+        start, end = _split_keys(tl.load(prefix_len + b * s_pl), max_pages * PAGE, split, NS, BLOCK_N, MIN_CHUNK)
+        tile = start // BLOCK_N + tl.arange(0, TILES)
+        ok = tile * BLOCK_N < end
         pt_row = page_table + b.to(tl.int64) * s_pt
         page = tl.load(pt_row + (tile * BLOCK_N // PAGE) * s_pp, mask=ok, other=0).to(tl.int64)
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)  # inside the cache whatever the table holds

@@ -317,7 +317,7 @@ def _launch_skinny_linear(
         HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        L2_PREFETCH=_l2_tiles(cfg), LINE_ELEMS=128 // weight.element_size(),
+        L2_LINES=_l2_lines(cfg, weight.element_size()), LINE_ELEMS=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}),
     )  # fmt: skip
 
@@ -325,16 +325,19 @@ def _launch_skinny_linear(
 L2_PREFETCH_ENV = "TREECOMPILE_SKINNY_L2_PREFETCH"
 
 
-def _l2_tiles(cfg: SkinnyConfig) -> int:
-    """Weight tiles a program hints into L2 before its dependency wait: the config's, or for A/B runs the
-    ``TREECOMPILE_SKINNY_L2_PREFETCH`` count (0 or a power of two) for every launch; 0 in the interpreter."""
+def _l2_lines(cfg: SkinnyConfig, element_size: int) -> int:
+    """128-byte lines of K a program hints into L2 (for each of its weight rows) before its dependency wait:
+    the config's ``l2_prefetch`` tiles, or for A/B runs the ``TREECOMPILE_SKINNY_L2_PREFETCH`` count (0 or a
+    power of two) for every launch, times BLOCK_K; at least one line when on, 0 when off or interpreting."""
     env = os.environ.get(L2_PREFETCH_ENV, "").strip()
     if env:
         try:
-            return check_l2_prefetch(L2_PREFETCH_ENV, int(env))
+            tiles = check_l2_prefetch(L2_PREFETCH_ENV, int(env))
         except ValueError as exc:
             raise ValueError(f"{L2_PREFETCH_ENV}: {exc}") from None
-    return check_l2_prefetch("config", cfg.l2_prefetch)
+    else:
+        tiles = check_l2_prefetch("config", cfg.l2_prefetch)
+    return max(1, tiles * cfg.block_k * element_size // 128) if tiles else 0
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -372,7 +375,7 @@ if HAS_TRITON:
         x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        L2_PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
+        L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     ):  # fmt: skip
         """Program (n slice, m block, k split): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias),
         over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then reduced by ``_split_k_store``)."""
@@ -383,8 +386,8 @@ if HAS_TRITON:
         n_ok = rn < N
         k_lo = tl.program_id(2) * k_per_split  # k_per_split: whole BLOCK_K tiles (K itself when SPLIT_K == 1)
         k_hi = tl.minimum(K, k_lo + k_per_split)
-        if L2_PREFETCH > 0:  # before the wait: the weight's first tiles stream in while the previous kernel ends
-            _prefetch_weight(w, rn, n_ok, k_lo, k_hi, s_wn, BLOCK_K, L2_PREFETCH, LINE_ELEMS)
+        if L2_LINES > 0:  # before the wait: the weight's first tiles stream in while the previous kernel ends
+            _prefetch_weight(w, rn, n_ok, k_lo, k_hi, s_wn, L2_LINES, LINE_ELEMS)
         if USE_PDL:  # TREECOMPILE_PDL: wait for the previous kernel, then let the next one launch
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -409,12 +412,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _prefetch_weight(
-        w, rn, n_ok, k_lo, k_hi, s_wn, BLOCK_K: tl.constexpr, TILES: tl.constexpr, LINE_ELEMS: tl.constexpr
+        w, rn, n_ok, k_lo, k_hi, s_wn, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr
     ):  # fmt: skip
-        """L2 hints for the 128-byte lines of w[rn, k_lo : k_lo + TILES * BLOCK_K] (clipped to k_hi): the
-        [BLOCK_N, lines] addresses of the program's first TILES weight tiles (``prefetch_l2``: a hint, so it
-        may precede the dependency wait even if the weight were being written)."""
-        col = k_lo + tl.arange(0, (TILES * BLOCK_K) // LINE_ELEMS) * LINE_ELEMS
+        """L2 hints for the 128-byte lines of w[rn, k_lo : k_lo + LINES * LINE_ELEMS] (clipped to k_hi): the
+        [BLOCK_N, LINES] addresses of the program's first weight tiles (``prefetch_l2``: a hint, so it may
+        precede the dependency wait even if the weight were being written)."""
+        col = k_lo + tl.arange(0, LINES) * LINE_ELEMS
         lines = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + col[None, :]
         prefetch_l2(tl.where((col < k_hi)[None, :], lines, w))
 
@@ -470,7 +473,7 @@ def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool)
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, USE_PDL=pdl, PREFETCH=pdl and constant_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        L2_PREFETCH=_l2_tiles(cfg), LINE_ELEMS=128 // weight.element_size(),
+        L2_LINES=_l2_lines(cfg, weight.element_size()), LINE_ELEMS=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
 
@@ -482,7 +485,7 @@ if HAS_TRITON:
         x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
         HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        L2_PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
+        L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     ):  # fmt: skip
         """Program (n slice, -, k split): out[:, n slice] = x @ w[n slice].T (+ bias), by multiply-add on CUDA
         cores; over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (reduced by ``_split_k_store``).
@@ -504,8 +507,8 @@ if HAS_TRITON:
         k_hi = tl.minimum(K, k_lo + k_per_split)
         w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :]
         x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :]
-        if L2_PREFETCH > 0:  # hints only: ahead of the wait in either case (the tiles after the first one)
-            _prefetch_weight(w, rn, n_ok, k_lo + BLOCK_K, k_hi, s_wn, BLOCK_K, L2_PREFETCH, LINE_ELEMS)
+        if L2_LINES > 0:  # hints only: ahead of the wait in either case (the tiles after the first one)
+            _prefetch_weight(w, rn, n_ok, k_lo + BLOCK_K, k_hi, s_wn, L2_LINES, LINE_ELEMS)
         if USE_PDL and not PREFETCH:
             tl.extra.cuda.gdc_wait()  # the weight itself may be the previous kernel's output
         wt = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0)

@@ -54,13 +54,13 @@ def _cases() -> dict:
         )  # fmt: skip
     for split_k, l2 in ((1, 0), (4, 0), (1, 4)):
         const = dict(HAS_BIAS=True, EVEN_K=True, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128,
-                     SPLIT_K=split_k, L2_PREFETCH=l2, LINE_ELEMS=64)  # fmt: skip
+                     SPLIT_K=split_k, L2_LINES=l2 * 2, LINE_ELEMS=64)  # fmt: skip
         cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}"] = (
             "skinny_linear", "_skinny_linear_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 4,
         )  # fmt: skip
     for split_k, prefetch, l2 in ((1, True, 0), (4, True, 0), (4, False, 0), (1, True, 2)):
         const = dict(HAS_BIAS=False, USE_PDL=True, PREFETCH=prefetch, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512,
-                     SPLIT_K=split_k, L2_PREFETCH=l2, LINE_ELEMS=64)  # fmt: skip
+                     SPLIT_K=split_k, L2_LINES=l2 * 8, LINE_ELEMS=64)  # fmt: skip
         cases[f"skinny-gemv-split{split_k}-{'prefetch' if prefetch else 'wait'}{'-l2' if l2 else ''}"] = (
             "skinny_linear", "_skinny_gemv_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 3,
         )  # fmt: skip
