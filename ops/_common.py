@@ -58,6 +58,30 @@ if HAS_TRITON:
         )
 
 
+_COUNTER_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def counter_table(owner: str, device: torch.device, size: int) -> torch.Tensor:
+    """A zeroed ``int32 [size]`` arrival-counter table for ``owner``'s "last program to arrive finishes the
+    job" kernels (split-K sums, the cascade's fused merge), one per (owner, device), allocated once and never
+    freed or resized: a captured graph keeps its address. Every launch leaves its counters at zero again (the
+    last program resets its own), so replays need no memset. Launches of one owner on one stream run one after
+    another (a dependent launch waits for the grid before it before it touches the table); the table is not
+    for concurrent launches on several streams. The first allocation cannot happen under CUDA-graph capture."""
+    key = (owner, device)
+    table = _COUNTER_TABLES.get(key)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{owner}: the first launch on a device allocates its counter table, which cannot happen under "
+                "CUDA-graph capture: run the op once before capturing (a warm-up pass)"
+            )
+        table = _COUNTER_TABLES[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    if table.numel() < size:
+        raise ValueError(f"{owner}: a launch counts at most {table.numel()} groups, got {size}")
+    return table
+
+
 PDL_ENV = "TREECOMPILE_PDL"
 
 

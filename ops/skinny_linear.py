@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
-    HAS_TRITON, check_dim, check_dtype, check_l2_prefetch, check_same_device, pdl_enabled, prefetch_l2, use_triton,
+    HAS_TRITON, check_dim, check_dtype, check_l2_prefetch, check_same_device, counter_table, pdl_enabled, prefetch_l2,
+    use_triton,
 )
 
 if HAS_TRITON:
@@ -340,9 +341,6 @@ def _l2_lines(cfg: SkinnyConfig, element_size: int) -> int:
     return max(1, tiles * cfg.block_k * element_size // 128) if tiles else 0
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _split_k_buffers(x, M: int, N: int, K: int, cfg: SkinnyConfig, slices: int):
     """``(workspace [split_k, M, N] float32, counters [MAX_SLICES] int32, k_per_split)`` of a split-K launch;
     for ``split_k == 1`` unused stand-ins and K. The counter table is one per device, zeroed once and left
@@ -355,14 +353,7 @@ def _split_k_buffers(x, M: int, N: int, K: int, cfg: SkinnyConfig, slices: int):
         raise ValueError(f"config: split_k must be in 1..{MAX_SPLIT_K}, got {cfg.split_k}")
     if slices > MAX_SLICES:
         raise ValueError(f"config: a split-K launch counts at most {MAX_SLICES} slices, got {slices} (block_n too small)")
-    counters = _COUNTERS.get(x.device)
-    if counters is None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "skinny_linear: the first split-K launch on a device allocates its counter table, which cannot "
-                "happen under CUDA-graph capture: run the op once before capturing (a warm-up pass)"
-            )
-        counters = _COUNTERS[x.device] = torch.zeros(MAX_SLICES, dtype=torch.int32, device=x.device)
+    counters = counter_table("skinny_linear split-K", x.device, MAX_SLICES)
     ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.block_k), cfg.split_k) * cfg.block_k
     return ws, counters, k_per_split

@@ -5,7 +5,7 @@
 Per point (B=1, Hq=32, Hkv=8, D=128, bf16, page 64; 8B Llama shapes), per layer with the attention bench's
 method (L layers over distinct caches in one CUDA graph, L2 cleaned before each replay, median replay / L):
 the default config, TMA prefix tiles, merge programs of 2-8 rows on 1-8 warps, both kernels as dependent
-launches, TMA with the fastest merge, and split counts below the default (thirteenth session's run had no
+launches, TMA with the fastest merge, split counts below the default, L2 hints, the merge fused into stage 1 (thirteenth session's run had no
 split variants; the defaults have since become TMA + the one-warp merge rule, so "default" now means that). Every variant's output is compared with the default's. Then a
 profile of eager calls splits the default's and the fastest variant's time into stage 1 and the merge.
 The fastest variant per point is printed as a ``TREECOMPILE_CASCADE`` string, for the rounds A/B that follows.
@@ -75,6 +75,10 @@ def main() -> None:
         # L2 hints of each split's first tiles before the dependency wait (fourteenth session's l2_prefetch)
         for tiles in (1, 2, 4, 8):
             variants[f"l2pf{tiles}"] = choose_config(1, N, HQ, HKV, D, cap, dev, None, l2_prefetch=tiles)
+        # The merge inside stage 1 (the row block's last program merges it: one launch, fifteenth session)
+        variants["fused"] = choose_config(1, N, HQ, HKV, D, cap, dev, None, fused_merge=True)
+        if ns > 1:
+            variants[f"fused+splits{ns - 1}"] = choose_config(1, N, HQ, HKV, D, cap, dev, ns - 1, fused_merge=True)
         timed = {}
         for name, cfg in variants.items():
             try:
@@ -107,7 +111,8 @@ def main() -> None:
         ok = {n: v for n, v in timed.items() if v[1] < 5e-2 and "pdl" not in n}  # pdl: set by env, not here
         best = min(ok, key=lambda n: ok[n][0])
         bc = ok[best][2]
-        env = f"tma={int(bc.tma)},merge_rows={bc.merge_rows},merge_warps={bc.merge_warps},l2_prefetch={bc.l2_prefetch}"
+        env = (f"tma={int(bc.tma)},merge_rows={bc.merge_rows},merge_warps={bc.merge_warps},"
+               f"l2_prefetch={bc.l2_prefetch},fused_merge={int(bc.fused_merge)}")
         split = {"default": kernel_split(point, base_cfg), best: kernel_split(point, bc)}
         print(f"P={P} N={N} L={L}: default {timed['default'][0] * 1e3:.2f} us, best {best} "
               f"{ok[best][0] * 1e3:.2f} us -> TREECOMPILE_CASCADE={env}; kernels (us/call): {split} "

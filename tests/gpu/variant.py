@@ -11,6 +11,8 @@ into one launch).
 ``--cascade-heavy FIELD=INT,...``: replaces cascade config fields (``CascadeConfig``) only for launches with
 more than 128 query rows a KV head (verify N=64 at GQA 4: 256), e.g. ``num_splits=6`` for the verify while
 the decode and draft lanes keep their own choice (``TREECOMPILE_CASCADE`` would set every launch).
+``--cascade-light FIELD=INT,...``: the same for the other launches (decode, draft lanes, small verifies), e.g.
+``fused_merge=1``.
 TARGET is a module run as ``python -m`` would (``treecompile.bench``) or a script path (``tests/gpu/x.py``).
 """
 
@@ -35,17 +37,18 @@ def drop_fold() -> None:
     passes.PASSES[:] = [p for p in passes.PASSES if p is not passes.fuse_cache_write]
 
 
-def cascade_heavy(spec: str) -> None:
+def cascade_fields(spec: str, heavy: bool) -> None:
     import treecompile.ops._tree_attention_kernels as kernels
 
     fields = {}
     for item in spec.split(","):
         key, _, value = item.partition("=")
-        fields[key.strip()] = int(value)
+        key = key.strip()
+        fields[key] = bool(int(value)) if key in ("tma", "fused_merge") else int(value)
     base = kernels.choose_config
 
     def choose(B, R, Hq, Hkv, D, capacity, device, num_splits=None, itemsize=2, **override):
-        if R * (Hq // Hkv) > 128:
+        if (R * (Hq // Hkv) > 128) == heavy:
             extra = dict(fields)
             if "num_splits" in extra and num_splits is None:
                 num_splits = extra.pop("num_splits")
@@ -54,7 +57,7 @@ def cascade_heavy(spec: str) -> None:
         return base(B, R, Hq, Hkv, D, capacity, device, num_splits, itemsize, **override)
 
     kernels.choose_config = choose
-    print(f"variant: cascade fields {fields} for launches of > 128 rows a KV head", flush=True)
+    print(f"variant: cascade fields {fields} for launches of {'>' if heavy else '<='} 128 rows a KV head", flush=True)
 
 
 def set_inductor(assignment: str) -> None:
@@ -78,8 +81,8 @@ def main() -> None:
         elif flag == "--no-fold":
             drop_fold()
             print("variant: fuse_cache_write left out", flush=True)
-        elif flag == "--cascade-heavy":
-            cascade_heavy(args.pop(0))
+        elif flag in ("--cascade-heavy", "--cascade-light"):
+            cascade_fields(args.pop(0), heavy=flag == "--cascade-heavy")
         elif flag == "--inductor":
             set_inductor(args.pop(0))
         else:

@@ -125,7 +125,7 @@ def test_split_k_matches_float64_linear(dtype, M, N, K, bias, gemv, split_k, blo
     """Split-K (both kernels): splits of whole K tiles, a masked last tile, splits past K that hold no
     tile (3 x 50 over 7 splits of 16: 3 empty), N not a multiple of the slice. The second call gives the
     same bits (the partials are summed in split order) and each call leaves the counter table zeroed."""
-    from treecompile.ops.skinny_linear import _COUNTERS
+    from treecompile.ops._common import counter_table
 
     d = kernel_device
     x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, N, K, dtype, bias, seed=M * 10 + K))
@@ -135,7 +135,8 @@ def test_split_k_matches_float64_linear(dtype, M, N, K, bias, gemv, split_k, blo
     for _ in range(2):
         out = poisoned((M, N), dtype, d)
         _launch_skinny_linear(x, w, b, out, config=cfg)
-        assert int(_COUNTERS[x.device].abs().sum()) == 0, "a split-K launch left a counter set"
+        counters = counter_table("skinny_linear split-K", x.device, 1)
+        assert int(counters.abs().sum()) == 0, "a split-K launch left a counter set"
         outs.append(out)
     _check(outs[0].cpu(), x.cpu(), w.cpu(), None if b is None else b.cpu())
     assert torch.equal(outs[0], outs[1])
@@ -331,3 +332,16 @@ def test_treecompile_compiles_ask_inductor_for_dependent_launches(monkeypatch):
     monkeypatch.setattr(_common, "inductor_pdl_patch", lambda device=None: {})
     compiling.compile_inference(f, "f_cpu")
     assert "options" not in seen[3]
+
+
+def test_counter_tables_are_one_per_owner_and_never_resized():
+    """``counter_table``: zeroed int32, one per (owner, device), the same tensor on every call (a captured
+    graph keeps its address); a launch counting more groups than the table holds is refused by name."""
+    from treecompile.ops._common import counter_table
+
+    a = counter_table("test owner a", torch.device("cpu"), 32)
+    assert a.dtype == torch.int32 and a.numel() == 32 and int(a.abs().sum()) == 0
+    assert counter_table("test owner a", torch.device("cpu"), 8) is a
+    assert counter_table("test owner b", torch.device("cpu"), 8) is not a
+    with pytest.raises(ValueError, match="test owner a: a launch counts at most 32 groups, got 33"):
+        counter_table("test owner a", torch.device("cpu"), 33)
