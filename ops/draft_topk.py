@@ -24,10 +24,11 @@ Only metadata is checked at the boundary: no host sync, safe under CUDA-graph ca
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
-from ._common import HAS_TRITON, check_dim, check_dtype, use_triton
+from ._common import HAS_TRITON, check_dim, check_dtype, counter_table, use_triton
 
 if HAS_TRITON:
     import triton
@@ -108,12 +109,14 @@ def _launch_draft_topk(
     index: torch.Tensor,
     block: int | None = None,
     num_warps: int | None = None,
+    fused_merge: bool | None = None,
 ) -> None:
     """Fill preallocated ``logp [R, k]`` (float32, or float64 for float64 logits) and ``index [R, k]``.
 
     ``block``: vocabulary slice per stage-1 program (a power of two >= k); ``num_warps`` its warps (both
-    default to :func:`slice_config`). The workspaces' sizes depend only on shapes, so the launcher is
-    capturable in a CUDA graph.
+    default to :func:`slice_config`). ``fused_merge`` (default: ``TREECOMPILE_TOPK_FUSED_MERGE=1``, else off
+    until timed on the GPU): the row's last slice program to finish merges the row, so there is one launch,
+    not two. The workspaces' sizes depend only on shapes, so the launcher is capturable in a CUDA graph.
     """
     rows, vocab = logits.shape
     if rows == 0:
@@ -133,6 +136,12 @@ def _launch_draft_topk(
     slice_max = torch.empty((rows, num_blocks), dtype=work_dtype, device=logits.device)
     slice_sum = torch.empty((rows, num_blocks), dtype=work_dtype, device=logits.device)
     work_tl = tl.float64 if work_dtype == torch.float64 else tl.float32
+    block_c = triton.next_power_of_2(num_blocks * k)
+    block_nb = triton.next_power_of_2(num_blocks)
+    if fused_merge is None:
+        fused_merge = os.environ.get(FUSED_MERGE_ENV, "").strip() == "1"
+    fused = bool(fused_merge) and rows <= MERGE_ROWS
+    counters = counter_table("draft_topk fused merge", logits.device, MERGE_ROWS) if fused else slice_max
     _draft_topk_slice_kernel[(rows, num_blocks)](
         logits,
         cand_value,
@@ -142,13 +151,23 @@ def _launch_draft_topk(
         vocab,
         num_blocks,
         logits.stride(0),
+        logp,
+        index,
+        counters,
+        logp.stride(0),
+        logp.stride(1),
+        index.stride(0),
+        index.stride(1),
         K=k,
         BLOCK=block,
         WORK_DTYPE=work_tl,
+        FUSED_MERGE=fused,
+        BLOCK_C=block_c,
+        BLOCK_NB=block_nb,
         num_warps=num_warps,
     )
-    num_cands = num_blocks * k
-    block_c = triton.next_power_of_2(num_cands)
+    if fused:
+        return
     _draft_topk_merge_kernel[(rows,)](
         cand_value,
         cand_index,
@@ -163,9 +182,13 @@ def _launch_draft_topk(
         index.stride(1),
         K=k,
         BLOCK_C=block_c,
-        BLOCK_NB=triton.next_power_of_2(num_blocks),
+        BLOCK_NB=block_nb,
         num_warps=4 if block_c >= 512 else 1,
     )
+
+
+FUSED_MERGE_ENV = "TREECOMPILE_TOPK_FUSED_MERGE"
+MERGE_ROWS = 1 << 16  # rows a fused-merge launch may count (the counter table's size)
 
 
 def slice_config(rows: int, vocab: int, k: int) -> tuple[int, int]:
@@ -193,9 +216,19 @@ if HAS_TRITON:
         vocab,
         num_blocks,
         stride_lr,
+        logp_ptr,
+        index_ptr,
+        counters,
+        stride_pr,
+        stride_pk,
+        stride_ir,
+        stride_ik,
         K: tl.constexpr,
         BLOCK: tl.constexpr,
         WORK_DTYPE: tl.constexpr,
+        FUSED_MERGE: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_NB: tl.constexpr,
     ):
         # Stage 1, one program per (row, vocabulary slice): the slice's max, sum of exp(x - max), and
         # its top-k. The two-stage split (per-slice candidates, then one merge per row) follows the
@@ -228,6 +261,18 @@ if HAS_TRITON:
             taken = taken | (idx == sel)
             tl.store(cand_value_ptr + cand_off + j, best)
             tl.store(cand_index_ptr + cand_off + j, sel)
+        if FUSED_MERGE:
+            # The row's last slice program to arrive merges it (as the cascade's fused merge: the barrier
+            # orders every thread's stores before the counter's release, the winner reads through L2 with
+            # .cg, then zeroes the counter for the next launch).
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters + row, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_blocks - 1:
+                _merge_row(
+                    cand_value_ptr, cand_index_ptr, slice_max_ptr, slice_sum_ptr, logp_ptr, index_ptr, row,
+                    num_blocks, stride_pr, stride_pk, stride_ir, stride_ik, K, BLOCK_C, BLOCK_NB, ".cg",
+                )  # fmt: skip
+                tl.atomic_xchg(counters + row, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
     def _draft_topk_merge_kernel(
@@ -246,14 +291,26 @@ if HAS_TRITON:
         BLOCK_C: tl.constexpr,
         BLOCK_NB: tl.constexpr,
     ):
-        # Stage 2, one program per row: lse = M + log(sum_i s_i * exp(m_i - M)) over the slices, then k
-        # rounds over the NB * k candidates (value desc, index asc). Every slice offers min(len, k) real
-        # candidates and V >= k, so padding (index 2**31 - 1) is never reached.
-        row = tl.program_id(0).to(tl.int64)
+        # Stage 2, one program per row (see _merge_row).
+        _merge_row(
+            cand_value_ptr, cand_index_ptr, slice_max_ptr, slice_sum_ptr, logp_ptr, index_ptr,
+            tl.program_id(0).to(tl.int64), num_blocks, stride_pr, stride_pk, stride_ir, stride_ik, K, BLOCK_C,
+            BLOCK_NB, "",
+        )  # fmt: skip
+
+    @triton.jit
+    def _merge_row(
+        cand_value_ptr, cand_index_ptr, slice_max_ptr, slice_sum_ptr, logp_ptr, index_ptr, row, num_blocks,
+        stride_pr, stride_pk, stride_ir, stride_ik,
+        K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr, CACHE: tl.constexpr,
+    ):  # fmt: skip
+        # lse = M + log(sum_i s_i * exp(m_i - M)) over the slices, then k rounds over the NB * k candidates
+        # (value desc, index asc). Every slice offers min(len, k) real candidates and V >= k, so padding
+        # (index 2**31 - 1) is never reached. CACHE: ".cg" where other programs wrote the workspace (fused).
         b = tl.arange(0, BLOCK_NB)
         in_b = b < num_blocks
-        m = tl.load(slice_max_ptr + row * num_blocks + b, mask=in_b, other=float("-inf"))
-        s = tl.load(slice_sum_ptr + row * num_blocks + b, mask=in_b, other=0.0)
+        m = tl.load(slice_max_ptr + row * num_blocks + b, mask=in_b, other=float("-inf"), cache_modifier=CACHE)
+        s = tl.load(slice_sum_ptr + row * num_blocks + b, mask=in_b, other=0.0, cache_modifier=CACHE)
         big_m = tl.max(m, axis=0)
         m_shift = tl.where(big_m == float("-inf"), 0.0, big_m)  # all -inf row: log(0) -> lse = -inf
         lse = big_m + tl.log(tl.sum(s * tl.exp(m - m_shift), axis=0))
@@ -261,8 +318,8 @@ if HAS_TRITON:
         num_cands = num_blocks * K
         c = tl.arange(0, BLOCK_C)
         in_c = c < num_cands
-        value = tl.load(cand_value_ptr + row * num_cands + c, mask=in_c, other=float("-inf"))
-        cidx = tl.load(cand_index_ptr + row * num_cands + c, mask=in_c, other=2147483647)
+        value = tl.load(cand_value_ptr + row * num_cands + c, mask=in_c, other=float("-inf"), cache_modifier=CACHE)
+        cidx = tl.load(cand_index_ptr + row * num_cands + c, mask=in_c, other=2147483647, cache_modifier=CACHE)
         taken = ~in_c
         for j in range(K):
             best = tl.max(tl.where(taken, float("-inf"), value), axis=0)

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from conftest import poisoned
+from treecompile.ops._common import counter_table
 from treecompile.ops.draft_topk import MAX_K, _launch_draft_topk, draft_topk_reference
 
 pytestmark = [
@@ -60,14 +61,18 @@ def oracle_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return logp_all.gather(1, index), index
 
 
-def run_launcher(logits: torch.Tensor, k: int, block: int):
-    """Call the launcher with NaN-poisoned strided outputs (columns outside [1, 1 + k) must stay NaN)."""
+def run_launcher(logits: torch.Tensor, k: int, block: int, fused: bool = False):
+    """Call the launcher with NaN-poisoned strided outputs (columns outside [1, 1 + k) must stay NaN).
+    ``fused``: the merge inside the slice kernel (the last slice of a row merges it); the counter table
+    must be all zero again afterwards."""
     rows = logits.shape[0]
     out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logp_buf = poisoned((rows, k + 3), out_dtype, logits.device)
     index_buf = poisoned((rows, k + 3), torch.int64, logits.device)
     logp, index = logp_buf[:, 1 : 1 + k], index_buf[:, 1 : 1 + k]
-    _launch_draft_topk(logits, k, logp, index, block=block)
+    _launch_draft_topk(logits, k, logp, index, block=block, fused_merge=fused)
+    if fused:
+        assert int(counter_table("draft_topk fused merge", logits.device, 1).abs().sum()) == 0
     assert torch.isnan(logp_buf[:, 0]).all() and torch.isnan(logp_buf[:, 1 + k :]).all()
     untouched = poisoned((1,), torch.int64).item()
     assert (index_buf[:, 0] == untouched).all() and (index_buf[:, 1 + k :] == untouched).all()
@@ -133,17 +138,19 @@ KERNEL_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
 @pytest.mark.parametrize("rows,vocab,k,block", KERNEL_CASES)
-def test_kernel_matches_oracle(rows, vocab, k, block, kernel_device):
+def test_kernel_matches_oracle(rows, vocab, k, block, fused, kernel_device):
     logits = mixed_logits(rows, vocab, seed=vocab + k)
-    got = run_launcher(logits.to(kernel_device), k, block)
+    got = run_launcher(logits.to(kernel_device), k, block, fused)
     assert_matches(got, oracle_topk(logits, k), tol=2e-6, what=f"R{rows} V{vocab} k{k}")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
 @pytest.mark.parametrize("dtype", (torch.float16, torch.float64), ids=str)
-def test_kernel_input_dtypes(dtype, kernel_device):
+def test_kernel_input_dtypes(dtype, fused, kernel_device):
     logits = mixed_logits(5, 150, seed=8, dtype=dtype)
-    got = run_launcher(logits.to(kernel_device), 4, 64)
+    got = run_launcher(logits.to(kernel_device), 4, 64, fused)
     assert got[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_matches(got, oracle_topk(logits, 4), tol=1e-12 if dtype == torch.float64 else 2e-6)
 
@@ -158,7 +165,8 @@ def test_kernel_strided_rows(kernel_device):
     assert_matches(run_launcher(broadcast.to(kernel_device), 4, 64), oracle_topk(broadcast, 4), tol=2e-6)
 
 
-def test_kernel_ties_take_lower_index_across_slices(kernel_device):
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
+def test_kernel_ties_take_lower_index_across_slices(fused, kernel_device):
     """The same maximum in three slices, -inf ties, and NaN in front of a real value."""
     logits = torch.full((2, 150), NEG_INF)
     logits[0, [140, 70, 3]] = 5.0
@@ -166,7 +174,7 @@ def test_kernel_ties_take_lower_index_across_slices(kernel_device):
     logits[1, [0, 1]] = NAN
     logits[1, 120] = -1e30
     want_index = torch.tensor([[3, 70, 140, 2, 100, 0, 1, 4], [120, 0, 1, 2, 3, 4, 5, 6]])
-    logp, index = run_launcher(logits.to(kernel_device), 8, 64)
+    logp, index = run_launcher(logits.to(kernel_device), 8, 64, fused)
     assert torch.equal(index, want_index)
     assert torch.equal(oracle_topk(logits, 8)[1], want_index)
     lse = 5.0 + math.log(3 + 2 * math.exp(-1.0))
@@ -265,8 +273,11 @@ def test_gpu_op_matches_reference(k, vocab, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replay_with_new_logits():
-    """Capture once; copy new logits into the bound buffer; each replay matches the reference."""
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["merge-launch", "fused-merge"])
+def test_gpu_cuda_graph_replay_with_new_logits(monkeypatch, fused):
+    """Capture once; copy new logits into the bound buffer; each replay matches the reference (with the fused
+    merge, the counters must come back to zero for every replay, or a row keeps the NaN written first)."""
+    monkeypatch.setenv("TREECOMPILE_TOPK_FUSED_MERGE", fused)
     gen = torch.Generator().manual_seed(5)
     logits_buf = torch.zeros(16, 32000, dtype=torch.bfloat16, device="cuda")
     op = torch.ops.treespec.draft_topk
@@ -282,6 +293,7 @@ def test_gpu_cuda_graph_replay_with_new_logits():
         new = (3 * torch.randn(16, 32000, generator=gen)).bfloat16()
         new[trial] = NEG_INF
         logits_buf.copy_(new)
+        logp.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         want = draft_topk_reference(new, 8)

@@ -73,6 +73,15 @@ def _cases() -> dict:
         cases[f"skinny-gemv-split{split_k}-{'prefetch' if prefetch else 'wait'}{'-l2' if l2 else ''}"] = (
             "skinny_linear", "_skinny_gemv_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 3,
         )  # fmt: skip
+    import triton.language as tl
+
+    topk_types = dict(logits_ptr="*bf16", cand_value_ptr="*fp32", cand_index_ptr="*i32", slice_max_ptr="*fp32",
+                      slice_sum_ptr="*fp32", logp_ptr="*fp32", index_ptr="*i64", counters="*i32")  # fmt: skip
+    for fused in (False, True):  # the shipped SmolLM2 head's top-k: 8k vocabulary, 256-entry slices, k = 8
+        const = dict(K=8, BLOCK=256, WORK_DTYPE=tl.float32, FUSED_MERGE=fused, BLOCK_C=256, BLOCK_NB=32)
+        cases[f"topk-slice-{'fused' if fused else 'plain'}"] = (
+            "draft_topk", "_draft_topk_slice_kernel", const, topk_types, ("vocab", "num_blocks"), 1, 3,
+        )  # fmt: skip
     return cases
 
 
@@ -163,6 +172,14 @@ def test_cascade_fused_merge_compiles_with_its_counter(report, shape):
     assert entry["atomics"] >= 2 and entry["async_copies"] >= 2
     assert entry["cg_loads"] > 0
     assert _entry(report, "stage1-tma-write+pdl")["atomics"] == 0
+
+
+def test_draft_topk_fused_merge_compiles_with_its_counter(report):
+    """The top-k slice kernel with the fused merge: the counter's atomics and the .cg reloads compile for
+    sm_90; the plain slice kernel has no atomic."""
+    entry = _entry(report, "topk-slice-fused")
+    assert entry["atomics"] >= 2 and entry["cg_loads"] > 0
+    assert _entry(report, "topk-slice-plain")["atomics"] == 0
 
 
 @pytest.mark.parametrize("rows", [1, 4])
