@@ -8,7 +8,8 @@ Stage 1, ``cascade_partial_kernel``, grid ``(B * Hkv * NRB, NS + 1)``:
     after writing an empty state (``lse = -inf``, no output row).
   * ``s == NS``: the window, ``W <= 64`` keys after the prefix, one tile, visible per row through its
     64-bit ancestor mask (bit tests in int64). With ``NEW_ROWS`` (``tree_attention_paged_write``) window key
-    j comes from the call's new row ``b * R + j`` when that row's slot is the key's, and the row block 0
+    j comes from the call's new row ``b * R + j - window_offset`` when that row's slot is the key's (keys
+    ``[window_offset, window_offset + R)`` are the call's rows), and the row block 0
     program of each (request, KV head) writes the new rows to their slots (``kv_write``'s semantics: slots
     out of range skipped). No program reads a slot this call writes, so the order of programs is free.
   Each writes a partial output (normalised) and its base-2 log-sum-exp into the workspace.
@@ -205,11 +206,11 @@ def _env_overrides() -> dict:
 
 def launch_cascade(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None,
-    config: CascadeConfig | None = None, new_rows=None,
+    config: CascadeConfig | None = None, new_rows=None, window_offset: int = 0,
 ):  # fmt: skip
     """Stage 1 + stage 2 on q ``[B, R, Hq, D]``; returns ``[B, R, Hq, D]`` in q's dtype. ``new_rows = (k, v,
-    slots)``, ``k, v [B * R, Hkv, D]``: written to the caches by the window programs, which read the window
-    from them (module docstring); the window must be R."""
+    slots)``, ``k, v [B * R, Hkv, D]``: written to the caches by the window programs, which read window keys
+    ``[window_offset, window_offset + R)`` from them (module docstring)."""
     B, R, Hq, D = q.shape
     num_slots, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -250,7 +251,7 @@ def launch_cascade(
     cascade_partial_kernel[(groups, NS + 1)](
         q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part, k_desc, v_desc, out, counters,
         k_new, v_new, new_slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        new_slots.stride(0), num_slots,
+        new_slots.stride(0), num_slots, window_offset,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), page_table.stride(1), prefix_len.stride(0), ancestor_mask.stride(0),
@@ -314,7 +315,7 @@ def _tile_descriptor(cache: torch.Tensor, block_n: int):
 @triton.jit
 def cascade_partial_kernel(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part, k_desc, v_desc, out, counters,
-    k_new, v_new, new_slots, s_kn, s_knh, s_vn, s_vnh, s_ns, num_slots,
+    k_new, v_new, new_slots, s_kn, s_knh, s_vn, s_vnh, s_ns, num_slots, new_off,
     s_qb, s_qr, s_qh,
     s_kc, s_kh, s_vc, s_vh,
     s_pt, s_pp, s_pl, s_ab, s_ar,
@@ -387,9 +388,10 @@ def cascade_partial_kernel(
         page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
         slot = page * PAGE + t % PAGE
         if NEW_ROWS:
-            # Window key j is new row b * R + j (window == R) when that row goes to the key's own slot.
-            jn = j < WINDOW
-            row_n = b.to(tl.int64) * R + j
+            # Window key j is new row b * R + j - new_off (keys [new_off, new_off + R) are the call's rows: a
+            # verify's whole window, a draft lane step's K columns) when that row goes to the key's own slot.
+            jn = (j >= new_off) & (j < new_off + R) & (j < WINDOW)
+            row_n = b.to(tl.int64) * R + tl.maximum(j - new_off, 0)
             nslot = tl.load(new_slots + row_n * s_ns, mask=jn, other=-1)  # slots may be a strided view
             from_new = jn & (nslot == slot)
             kn = tl.load(k_new + row_n[:, None] * s_kn + kvh * s_knh + d[None, :], mask=jn[:, None], other=0.0)

@@ -15,10 +15,13 @@ out          : ``[B, R, Hq, D]`` in q's dtype. A row that sees no key at all get
 Paged op with the cache write ``torch.ops.treespec.tree_attention_paged_write``
 -----------------------------------------------------------------------------
 ``kv_write(k_cache, v_cache, k, v, slots)`` then ``tree_attention_paged(...)`` as one op, for a forward whose
-window keys are its own R new rows (a target's verify, decode or prefill chunk: ``window == R``):
-k, v ``[B * R, Hkv, D]`` (the caches' dtype), slots ``int64 [B * R]``; mutates both caches, returns the
-attention. On CUDA the window programs read window key j of request b from row ``b * R + j`` whenever that row
-is written to the key's own slot (else from the cache, as it was before the call) and one of them writes the
+R new rows are window keys ``[window_offset, window_offset + R)`` (a target's verify, decode or prefill chunk:
+the whole window, ``window == R``, offset 0; a draft lane step: its K columns of the lane window, offset
+``(step - 1) * K``): k, v ``[B * R, Hkv, D]`` (the caches' dtype), slots ``int64 [B * R]``,
+``window_offset`` an int (default 0; ``window_offset + R <= window``); mutates both caches, returns the
+attention. On CUDA the window programs read window key j of request b from row ``b * R + j - window_offset``
+whenever that row is written to the key's own slot (else from the cache, as it was before the call: the lane
+window's earlier columns, written by earlier steps) and one of them writes the
 rows: the cache write costs no launch of its own. Contract for the GPU path: a row written to a slot other
 than its key's (padding rows on the dummy slot) is never seen through another visible key. The CPU path runs
 the two ops in order.
@@ -102,13 +105,17 @@ def tree_attention_paged_write(
     page_size: int,
     window: int,
     scale: float,
+    window_offset: int = 0,
 ) -> torch.Tensor:
     """Write the R new rows of each request, then tree attention over the cache (module docstring)."""
-    _validate_paged_write(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window)
+    _validate_paged_write(
+        q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, window_offset
+    )
     if use_triton(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask):
         return _launch_tree_attention_paged(
-            q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, new_rows=(k, v, slots)
-        )
+            q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale,
+            new_rows=(k, v, slots), window_offset=window_offset,
+        )  # fmt: skip
     from .kv_write import kv_write_reference
 
     kv_write_reference(k_cache, v_cache, k, v, slots)
@@ -116,8 +123,10 @@ def tree_attention_paged_write(
 
 
 @tree_attention_paged_write.register_fake
-def _(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, scale):
-    _validate_paged_write(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window)
+def _(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, scale, window_offset=0):
+    _validate_paged_write(
+        q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, window_offset
+    )
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -218,7 +227,9 @@ def _validate_paged(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, 
         _check_kernel_limits(q)
 
 
-def _validate_paged_write(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window):
+def _validate_paged_write(
+    q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, window_offset=0
+):  # fmt: skip
     from .kv_write import _validate_kv_write
 
     _validate_paged(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window)
@@ -227,8 +238,11 @@ def _validate_paged_write(q, k_cache, v_cache, k, v, slots, page_table, prefix_l
     B, R = q.shape[:2]
     if k.shape[0] != B * R:
         raise ValueError(f"k: expected B * R = {B * R} rows (one per query row), got shape {tuple(k.shape)}")
-    if window != R:
-        raise ValueError(f"window: the new rows are the window, so window must equal R = {R}, got {window}")
+    if window_offset < 0 or window_offset + R > window:
+        raise ValueError(
+            f"window_offset: the R = {R} new rows are window keys [window_offset, window_offset + R), which must "
+            f"lie in the window of {window} keys, got window_offset={window_offset}"
+        )
     if q.is_cuda and (k.stride(2) != 1 or v.stride(2) != 1):
         raise ValueError(f"k, v: the head dim must be contiguous, got strides {k.stride()} and {v.stride()}")
 
@@ -280,16 +294,17 @@ def validate_tree_attention_values(
 
 def _launch_tree_attention_paged(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None,
-    new_rows=None,
+    new_rows=None, window_offset: int = 0,
 ):  # fmt: skip
     """Run the cascade (prefix splits + window, then the merge). ``num_splits`` overrides the static choice;
-    ``new_rows = (k, v, slots)``: the window reads and writes this call's rows (``tree_attention_paged_write``)."""
+    ``new_rows = (k, v, slots)``: the window reads and writes this call's rows (``tree_attention_paged_write``),
+    window keys ``[window_offset, window_offset + R)``."""
     from ._tree_attention_kernels import launch_cascade
 
     _check_kernel_limits(q)
     return launch_cascade(
         q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits,
-        new_rows=new_rows,
+        new_rows=new_rows, window_offset=window_offset,
     )  # fmt: skip
 
 

@@ -81,6 +81,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+DRAFT_FOLD_ENV = "TREECOMPILE_DRAFT_FOLD"
+
+
 class EagleAttention(nn.Module):
     """The midlayer's attention: 2H-wide input, GQA, RoPE, paged tree attention over the draft cache."""
 
@@ -101,7 +104,7 @@ class EagleAttention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None  # set by EagleDrafter.fuse_projections (not a parameter)
         self.linear = nn.functional.linear  # the fused GEMM's function (EagleDrafter.skinny_linears swaps it)
 
-    def forward(self, x, cos, sin, cache, slots, prefix_len, ancestor_mask, window):
+    def forward(self, x, cos, sin, cache, slots, prefix_len, ancestor_mask, window, window_offset=None):
         B, T, _ = x.shape
         if self.qkv_weight is not None:  # one GEMM over the q/k/v rows the three parameters view
             sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
@@ -114,8 +117,12 @@ class EagleAttention(nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        cache.write(0, k, v, slots)
-        out = cache.attention(0, q.contiguous(), ancestor_mask, window, self.scaling, prefix_len)
+        if window_offset is not None:  # the rows are window keys [offset, offset + T): one op writes and attends
+            out = cache.write_attention(0, q.contiguous(), k, v, slots, ancestor_mask, window, self.scaling,
+                                        prefix_len, window_offset)  # fmt: skip
+        else:
+            cache.write(0, k, v, slots)
+            out = cache.attention(0, q.contiguous(), ancestor_mask, window, self.scaling, prefix_len)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -154,10 +161,10 @@ class EagleDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = EagleMLP(config)
 
-    def forward(self, embeds, hidden, cos, sin, cache, slots, prefix_len, ancestor_mask, window):
+    def forward(self, embeds, hidden, cos, sin, cache, slots, prefix_len, ancestor_mask, window, window_offset=None):
         residual = hidden
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        hidden = residual + self.self_attn(x, cos, sin, cache, slots, prefix_len, ancestor_mask, window)
+        hidden = residual + self.self_attn(x, cos, sin, cache, slots, prefix_len, ancestor_mask, window, window_offset)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -206,6 +213,9 @@ class EagleDrafter(nn.Module):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, self.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config)
+        # The draft cache's write inside the attention op (one launch fewer a step). Off by default until
+        # the GPU has run it (TREECOMPILE_DRAFT_FOLD=1 turns it on for A/B runs); the CPU path is the same two ops.
+        self.fold_cache_write = os.environ.get(DRAFT_FOLD_ENV, "").strip() == "1"
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         if own_embedding:
@@ -386,13 +396,19 @@ class EagleDrafter(nn.Module):
         """``[.., len(aux_layers) * H_target] -> [.., H]``: fuse the target's hidden states."""
         return self.fc(features)
 
-    def forward_rows(self, cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window):
+    def forward_rows(
+        self, cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window, window_offset: int | None = 0
+    ):  # fmt: skip
         """One midlayer forward over rows: ``hidden [B, T, H]`` (fused target states or the head's own
         previous output), ``tokens/positions/slots [B, T]``, ``prefix_len [B]``, ``ancestor_mask [B, T]``
-        -> ``[B, T, H]`` (pre-norm output, fed back as the next step's hidden)."""
+        -> ``[B, T, H]`` (pre-norm output, fed back as the next step's hidden). The rows' keys are window
+        keys ``[window_offset, window_offset + T)``: with :attr:`fold_cache_write` (and an offset, not None) the
+        cache write rides in the attention's window programs (``tree_attention_paged_write``), one launch fewer
+        a step."""
         embeds = self.embed(tokens).to(hidden.dtype)
         cos, sin = self.rope(hidden, positions)
-        return self.midlayer(embeds, hidden, cos, sin, cache, slots, prefix_len, ancestor_mask, window)
+        offset = window_offset if self.fold_cache_write else None  # None: a separate write, then the attention
+        return self.midlayer(embeds, hidden, cos, sin, cache, slots, prefix_len, ancestor_mask, window, offset)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [B, T]`` -> ``(cos, sin) [B, T, D]`` in ``x.dtype``: HF's rotary embedding, with the
@@ -440,7 +456,9 @@ class EagleDrafter(nn.Module):
 
     def draft_lanes(self, cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window, context):
         """One lane step: ``hidden/tokens [B, K, ..]`` -> ``(hidden [B, K, H], logits [B, K, Vd])``."""
-        out = self.forward_rows(cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window)
+        # Step s writes lane columns [(s - 1) K, s K); without a context the columns are unknown: no fold.
+        offset = None if context is None else (context.step - 1) * tokens.shape[1]
+        out = self.forward_rows(cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window, offset)
         return out, self.logits(out)
 
     def draft_prefill(self, cache, features, tokens, positions, slots, prefix_len, ancestor_mask) -> None:

@@ -145,6 +145,31 @@ class PagedKVCache(torch.nn.Module):
             window, scale,
         )  # fmt: skip
 
+    def write_attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        ancestor_mask: torch.Tensor,
+        window: int,
+        scale: float,
+        prefix_len: torch.Tensor | None = None,
+        window_offset: int = 0,
+    ) -> torch.Tensor:
+        """:meth:`write` of ``k, v [B, T, Hkv, D]`` at ``slots [B, T]``, then :meth:`attention` of ``q [B, T,
+        Hq, D]``, as one op (``tree_attention_paged_write``: on CUDA the window programs write the rows and
+        read them as window keys ``[window_offset, window_offset + T)``)."""
+        B, T = q.shape[:2]
+        Hkv, D = k.shape[-2:]
+        return torch.ops.treespec.tree_attention_paged_write(
+            q, getattr(self, f"k{layer}"), getattr(self, f"v{layer}"), k.reshape(B * T, Hkv, D),
+            v.reshape(B * T, Hkv, D), slots.reshape(B * T), self.page_table[:B],
+            self.lengths[:B] if prefix_len is None else prefix_len, ancestor_mask, self.page_size, window, scale,
+            window_offset,
+        )  # fmt: skip
+
     def reset(self, rows: torch.Tensor | list[int] | None = None) -> None:
         """Forget requests ``rows`` (default: all): their lengths go to 0. K/V rows are not cleared because
         nothing reads past ``prefix_len + window``."""

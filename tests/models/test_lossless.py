@@ -159,3 +159,36 @@ def test_eos_inside_an_accepted_path_truncates_there():
     ref = hf_greedy(model, ids, mask, 24, eos=eos, pad=0)
     assert torch.equal(out.sequences, ref), (out.sequences.tolist(), ref.tolist())
     assert out.sequences.shape[1] < ids.shape[1] + 24 or (ref[:, -1] == 0).any()
+
+
+@pytest.mark.parametrize("topk,steps,num_nodes", [(3, 4, 10), (1, 4, 5)], ids=["tree", "chain"])
+def test_folded_draft_cache_write_stays_lossless(monkeypatch, topk, steps, num_nodes):
+    """``fold_cache_write``: every draft step's cache write goes through ``write_attention`` (one op with the
+    attention; its boundary refuses a lane offset outside the window), step 0 at offset 0 and lane step s
+    at (s - 1) K; the output equals HF greedy and the unfolded run's."""
+    from treecompile.kv_cache import PagedKVCache
+
+    calls = []
+    real = PagedKVCache.write_attention
+
+    def spy(self, layer, q, k, v, slots, mask, window, scale, prefix_len=None, window_offset=0):
+        calls.append((q.shape[1], window, window_offset))
+        return real(self, layer, q, k, v, slots, mask, window, scale, prefix_len, window_offset)
+
+    monkeypatch.setattr(PagedKVCache, "write_attention", spy)
+    model = tiny_model("llama", seed=5)
+    g = torch.Generator().manual_seed(3)
+    ids, mask = ragged_batch(g, 2)
+    outs = []
+    for fold in (False, True):
+        drafter = EagleDrafter.for_target(model, seed=1)
+        drafter.fold_cache_write = fold
+        spec = TreeSpeculator(model, drafter, topk=topk, steps=steps, num_nodes=num_nodes, max_batch_size=2,
+                              max_seq_len=64, page_size=8)  # fmt: skip
+        outs.append(spec.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None, pad_token_id=0))
+        assert bool(calls) == fold
+    assert_same(outs[1], hf_greedy(model, ids, mask, 12), 12)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    lane_window = (steps - 1) * topk
+    lane_offsets = {off for rows, window, off in calls if window == lane_window and rows == topk}
+    assert lane_offsets == {s * topk for s in range(steps - 1)}

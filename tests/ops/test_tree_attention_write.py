@@ -104,6 +104,48 @@ def test_fp16_and_an_out_of_range_slot_is_skipped(kernel_device):
     assert torch.equal(kc_d.cpu().nan_to_num(7.0), want_k.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("step", [1, 2, 3])
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge-launch", "fused-merge"])
+def test_a_lane_step_writes_its_columns_and_reads_the_earlier_ones(step, fused_merge, kernel_device):
+    """A draft lane step: K new rows are columns [(step - 1) K, step K) of a (S - 1) K-key lane window
+    (``window_offset``). Earlier columns come from the cache (written by earlier steps); the step's own
+    columns hold stale poison until the call writes them; later columns are unwritten poison no mask sees.
+    Lane i sees its own column and a random subset of the earlier ones, as a tree's lanes do."""
+    from treecompile.ops import _tree_attention_kernels as kern
+
+    B, K, S, Hq, Hkv, D, page_size = 2, 4, 4, 4, 2, 64, 16
+    W, off, prefix = (S - 1) * K, (step - 1) * K, [21, 50]
+    gen = torch.Generator().manual_seed(step)
+    q, kc, vc, pt, pl, _ = make_paged(B, K, Hq, Hkv, D, page_size, 6, prefix, off, torch.float32, gen)
+    k = torch.randn(B * K, Hkv, D, generator=gen)
+    v = torch.randn(B * K, Hkv, D, generator=gen)
+    slots = torch.empty(B * K, dtype=torch.int64)
+    masks = torch.zeros(B, K, dtype=torch.int64)
+    for b in range(B):
+        for i in range(K):
+            t = prefix[b] + off + i
+            slots[b * K + i] = int(pt[b, t // page_size]) * page_size + t % page_size
+            seen = [j for j in range(off) if torch.rand((), generator=gen) < 0.5]
+            masks[b, i] = sum(1 << j for j in seen) | (1 << (off + i))
+    want, want_k, want_v = sequential(q, kc, vc, k, v, slots, pt, pl, masks, page_size, W, 0.125)
+    d = kernel_device
+    kc_d, vc_d = kc.to(d), vc.to(d)
+    cfg = kern.choose_config(B, K, Hq, Hkv, D, 6 * page_size, torch.device(d), None, itemsize=4, block_n=16,
+                             num_stages=2, fused_merge=fused_merge)  # fmt: skip
+    got = kern.launch_cascade(
+        q.to(d), kc_d, vc_d, pt.to(d), pl.to(d), masks.to(d), page_size, W, 0.125, config=cfg,
+        new_rows=(k.to(d), v.to(d), slots.to(d)), window_offset=off,
+    )  # fmt: skip
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
+    for name, a, b in (("k_cache", kc_d.cpu(), want_k), ("v_cache", vc_d.cpu(), want_v)):
+        assert torch.equal(a.nan_to_num(7.0, 8.0, 9.0), b.nan_to_num(7.0, 8.0, 9.0)), name
+    # The op (CPU: the two ops in order) agrees.
+    kc2, vc2 = kc.clone(), vc.clone()
+    op = torch.ops.treespec.tree_attention_paged_write(q, kc2, vc2, k, v, slots, pt, pl, masks, page_size, W, 0.125, off)
+    torch.testing.assert_close(op.double(), want, rtol=2e-5, atol=2e-5)
+
+
 def test_op_on_cpu_runs_the_two_ops_in_order_and_traces():
     B, R, Hq, Hkv, D, page_size = 2, 4, 4, 2, 8, 8
     case = new_rows_case(B, R, Hq, Hkv, D, page_size, 6, [5, 11], [4, 2], torch.float64, seed=1)
@@ -124,7 +166,10 @@ def test_op_on_cpu_runs_the_two_ops_in_order_and_traces():
     "change,match",
     [
         (lambda a: a.update(k=a["k"][:-1], v=a["v"][:-1], slots=a["slots"][:-1]), r"k: expected B \* R = 8 rows"),
-        (lambda a: a.update(window=3), "window: the new rows are the window, so window must equal R = 4"),
+        (lambda a: a.update(window=3), r"window_offset: the R = 4 new rows are window keys \[window_offset, "
+         r"window_offset \+ R\), which must lie in the window of 3 keys, got window_offset=0"),
+        (lambda a: a.update(window=6, window_offset=3), "must lie in the window of 6 keys, got window_offset=3"),
+        (lambda a: a.update(window=6, window_offset=-1), "got window_offset=-1"),
         (lambda a: a.update(k=a["k"].float()), "k: dtype torch.float32 must equal the cache dtype"),
         (lambda a: a.update(slots=a["slots"].int()), "slots: expected dtype torch.int64"),
     ],

@@ -311,3 +311,29 @@ def test_dependent_launches_change_no_token(monkeypatch, dtype):
         outs.append((out.sequences, out.accept_lengths))
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_merges_and_the_draft_fold_change_no_token(monkeypatch, dtype):
+    """The fifteenth session's launch savers, all on: the cascade's merge inside stage 1
+    (``TREECOMPILE_CASCADE=fused_merge=1``), the draft top-k's merge inside its slice kernel
+    (``TREECOMPILE_TOPK_FUSED_MERGE=1``) and the draft cache write inside the lane attention
+    (``fold_cache_write``: lane step s's rows are window columns [(s - 1) K, s K)). Captured rounds replay
+    them with the arrival counters zeroed by each launch. The fused merges sum the same terms in another
+    order, so fp32 must give the same tokens and bf16 nearly the same (near-ties may round apart)."""
+    model = tiny_llama(dtype)
+    ids, mask = ragged()
+    outs = []
+    for on in (False, True):
+        monkeypatch.setenv("TREECOMPILE_CASCADE", "fused_merge=1" if on else "")
+        monkeypatch.setenv("TREECOMPILE_TOPK_FUSED_MERGE", "1" if on else "0")
+        torch._dynamo.reset()
+        drafter = EagleDrafter.for_target(model, seed=1).to("cuda", dtype)
+        drafter.fold_cache_write = on
+        spec = TreeSpeculator(model, drafter, topk=4, steps=5, num_nodes=32, max_batch_size=3, max_seq_len=256)
+        outs.append(spec.generate(ids, mask, max_new_tokens=40))
+    new = slice(ids.shape[1], None)
+    if dtype == torch.float32:
+        assert torch.equal(outs[0].sequences, outs[1].sequences)
+    else:
+        assert (outs[0].sequences[:, new] == outs[1].sequences[:, new]).float().mean().item() >= 0.8
