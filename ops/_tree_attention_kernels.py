@@ -261,7 +261,7 @@ def launch_cascade(
         MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None, TMA=tma, USE_PDL=pdl,
         L2_PREFETCH=l2_prefetch, L2_LINES=max(1, D * k_cache.element_size() // 128),
         L2_LINE_ELEMS=128 // k_cache.element_size(), FUSED_MERGE=fused, BLOCK_S=block_s,
-        MERGE_CHUNK=max(2, min(block_s, MERGE_VALUES // (cfg.block_m * D))),
+        MERGE_CHUNK=max(1, min(block_s, MERGE_VALUES // (cfg.block_m * D))),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
     if fused:
@@ -277,7 +277,9 @@ def launch_cascade(
 
 
 MERGE_GROUPS = 1 << 16  # row blocks a fused-merge launch may count (the counter table's size)
-MERGE_VALUES = 8192  # fp32 partial values a fused merge loads at once ([BLOCK_M, MERGE_CHUNK, D]): ~64 a thread
+# fp32 partial values a fused merge loads at once ([BLOCK_M, MERGE_CHUNK, D]): 32 a thread on 4 warps. ptxas
+# (sm_90, CPU machine): 8192 made the 8B verify's 64-row tile spill 840 B and the decode tile 251 registers.
+MERGE_VALUES = 4096
 
 
 def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:
@@ -448,7 +450,8 @@ def _merge_row_block(
 ):  # fmt: skip
     """The merge of ``cascade_merge_kernel`` for a stage-1 program's [BLOCK_M] flat rows: the NS + 1 base-2 LSEs
     at once for the max and the denominator, then the partial outputs CHUNK states at a time ([BLOCK_M,
-    CHUNK, D] loads). Empty states (LSE -inf) are never loaded (their rows were not written)."""
+    CHUNK, D] loads; [BLOCK_M, D] when CHUNK is 1). Empty states (LSE -inf) are never loaded (their rows were
+    not written)."""
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(
         lse_part + row[:, None] * (NS + 1) + s[None, :], mask=row_ok[:, None] & (s < NS + 1)[None, :],
@@ -458,18 +461,27 @@ def _merge_row_block(
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     denom = tl.sum(tl.exp2(lse - mx[:, None]), 1)
     d = tl.arange(0, D)
-    c = tl.arange(0, CHUNK)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    for s0 in range(0, NS + 1, CHUNK):
-        sc = s0 + c
-        state = row[:, None] * (NS + 1) + sc[None, :]
-        lc = tl.load(lse_part + state, mask=row_ok[:, None] & (sc < NS + 1)[None, :], other=float("-inf"),
-                     cache_modifier=".cg")  # fmt: skip
-        live = lc > float("-inf")
-        w = tl.where(live, tl.exp2(lc - mx[:, None]), 0.0)
-        oc = tl.load(o_part + state[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0,
-                     cache_modifier=".cg")  # fmt: skip
-        acc += tl.sum(w[:, :, None] * oc, 1)
+    if CHUNK == 1:  # big row blocks (64 x 128): one [BLOCK_M, D] state at a time keeps it out of spills
+        for si in range(0, NS + 1):
+            state = row * (NS + 1) + si
+            lc = tl.load(lse_part + state, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            live = lc > float("-inf")
+            w = tl.where(live, tl.exp2(lc - mx), 0.0)
+            oc = tl.load(o_part + state[:, None] * D + d[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * oc
+    else:
+        c = tl.arange(0, CHUNK)
+        for s0 in range(0, NS + 1, CHUNK):
+            sc = s0 + c
+            state = row[:, None] * (NS + 1) + sc[None, :]
+            lc = tl.load(lse_part + state, mask=row_ok[:, None] & (sc < NS + 1)[None, :], other=float("-inf"),
+                         cache_modifier=".cg")  # fmt: skip
+            live = lc > float("-inf")
+            w = tl.where(live, tl.exp2(lc - mx[:, None]), 0.0)
+            oc = tl.load(o_part + state[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+            acc += tl.sum(w[:, :, None] * oc, 1)
     res = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(out + row[:, None] * D + d[None, :], res.to(out.dtype.element_ty), mask=row_ok[:, None])
 

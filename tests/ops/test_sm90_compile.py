@@ -48,7 +48,7 @@ def _cases() -> dict:
             name = f"stage1-{'tma' if tma else 'pointers'}-{'write+pdl' if pdl else 'plain'}{'-l2' if l2 else ''}"
             cases[name] = ("_tree_attention_kernels", "cascade_partial_kernel", const, types, CASCADE_SCALARS, 4, 3)
     # The fused merge at the 8B decode (16-row tile, 32 splits) and verify (64 rows, 7 splits) configs.
-    for name, block_m, nrb, block_s, chunk in (("decode", 16, 1, 64, 4), ("verify", 64, 4, 8, 2)):
+    for name, block_m, nrb, block_s, chunk in (("decode", 16, 1, 64, 2), ("verify", 64, 4, 8, 1)):
         types = dict(CASCADE_TYPES, k_desc="tensordesc<bf16[64,128]>", v_desc="tensordesc<bf16[64,128]>")
         const = dict(HKV=8, G=4, PAGE=64, WINDOW=64, NRB=nrb, D=128, BLOCK_M=block_m, BLOCK_N=64, BLOCK_W=64,
                      MIN_CHUNK=64, PREC="tf32", NEW_ROWS=True, TMA=True, USE_PDL=True, L2_PREFETCH=0, L2_LINES=2,

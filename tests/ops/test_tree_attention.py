@@ -203,8 +203,8 @@ def test_kernel_config_variants_match_reference(variant, N, prefix, kernel_devic
 @pytest.mark.parametrize(
     "B,N,Hq,Hkv,prefix,num_splits,block_m",
     [(1, 1, 8, 2, [300], 9, None), (2, 5, 6, 3, [0, 77], 4, None), (2, 16, 4, 1, [129, 0], 3, 16),
-     (1, 64, 2, 1, [40], 2, 32)],
-    ids=["decode-9-splits", "empty-prefix", "two-row-blocks", "verify-64"],
+     (1, 64, 2, 1, [40], 2, 32), (1, 32, 4, 2, [70], 3, 64)],
+    ids=["decode-9-splits", "empty-prefix", "two-row-blocks", "verify-64", "one-state-at-a-time"],
 )  # fmt: skip
 def test_fused_merge_equals_the_merge_launch(B, N, Hq, Hkv, prefix, num_splits, block_m, kernel_device):
     """``fused_merge``: the row block's last stage-1 program merges (chunks of partial states, splits past
