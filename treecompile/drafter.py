@@ -445,6 +445,13 @@ class EagleDrafter(nn.Module):
 
     # -- the hooks a round calls (a scoring oracle may override them) -----------------------------------
 
+    @property
+    def reads_draft_context(self) -> bool:
+        """Whether the round must fill :class:`DraftContext` (``lane_tokens``, a copy kernel a lane step): the
+        EAGLE head reads none of it, a subclass that overrides a hook (a scoring oracle) may."""
+        cls = type(self)
+        return any(getattr(cls, name) is not getattr(EagleDrafter, name) for name in ("draft_step0", "draft_lanes"))
+
     def draft_step0(self, cache, features, tokens, positions, slots, prefix_len, ancestor_mask, last_row, context):
         """Step 0, the chain forward over the pending pairs: ``features [B, T, 3H]`` -> the last valid row's
         ``(hidden [B, H], logits [B, Vd])``; ``last_row [B]`` indexes it."""

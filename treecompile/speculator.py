@@ -717,9 +717,11 @@ class TreeSpeculator:
             # launched ~5 (adds, a copy, the slot lookup; ~1 us each on the H200). Step s reads its K columns.
             lane_pos = vc[:, None] + st["rows_ws"]  # [B, (S-1)K]: vc - 1 + s
             lane_slots = cache.slots(vc[:, None] + st["rows_w"])  # [B, (S-1)K]
+        fill_context = getattr(self.drafter, "reads_draft_context", True)  # an unknown drafter may read it
         for s in range(1, S):
             cols = slice((s - 1) * K, s * K)
-            st["lane_tokens"][:, cols].copy_(lanes.tokens)
+            if fill_context:
+                st["lane_tokens"][:, cols].copy_(lanes.tokens)
             context = DraftContext(history=st["history"], vc=vc, lane_tokens=st["lane_tokens"], step=s)
             parent = hidden.gather(1, lanes.parent_lane[:, :, None].expand(B, K, H))
             hidden, logits = drafter.draft_lanes(

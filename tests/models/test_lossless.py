@@ -192,3 +192,12 @@ def test_folded_draft_cache_write_stays_lossless(monkeypatch, topk, steps, num_n
     lane_window = (steps - 1) * topk
     lane_offsets = {off for rows, window, off in calls if window == lane_window and rows == topk}
     assert lane_offsets == {s * topk for s in range(steps - 1)}
+
+
+def test_only_drafters_that_override_a_hook_get_the_lane_tokens():
+    """The round copies each lane step's tokens into ``DraftContext.lane_tokens`` only for a drafter that may
+    read them: the EAGLE head does not (one copy kernel a lane step saved), a hook-overriding oracle does
+    (the oracle tests above read them to score paths)."""
+    model = tiny_model("llama", seed=5)
+    assert EagleDrafter.for_target(model, seed=1).reads_draft_context is False
+    assert OracleDrafter.build(model, noise=0.0, seed=2).reads_draft_context is True
