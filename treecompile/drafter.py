@@ -452,6 +452,12 @@ class EagleDrafter(nn.Module):
         cls = type(self)
         return any(getattr(cls, name) is not getattr(EagleDrafter, name) for name in ("draft_step0", "draft_lanes"))
 
+    @property
+    def gathers_parents(self) -> bool:
+        """Whether :meth:`draft_lanes` may be handed ``parent_lane`` (this class's own hook, not an override
+        with the older signature)."""
+        return type(self).draft_lanes is EagleDrafter.draft_lanes
+
     def draft_step0(self, cache, features, tokens, positions, slots, prefix_len, ancestor_mask, last_row, context):
         """Step 0, the chain forward over the pending pairs: ``features [B, T, 3H]`` -> the last valid row's
         ``(hidden [B, H], logits [B, Vd])``; ``last_row [B]`` indexes it."""
@@ -461,8 +467,13 @@ class EagleDrafter(nn.Module):
         last = hidden.gather(1, idx).squeeze(1)
         return last, self.logits(last)
 
-    def draft_lanes(self, cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window, context):
-        """One lane step: ``hidden/tokens [B, K, ..]`` -> ``(hidden [B, K, H], logits [B, K, Vd])``."""
+    def draft_lanes(self, cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window, context,
+                    parent_lane=None):  # fmt: skip
+        """One lane step: ``hidden/tokens [B, K, ..]`` -> ``(hidden [B, K, H], logits [B, K, Vd])``. With
+        ``parent_lane int64 [B, K]``, ``hidden`` is the previous step's rows ``[B, K', H]`` and lane k continues
+        row ``parent_lane[:, k]``: the gather then fuses into the step's first kernels (no launch of its own)."""
+        if parent_lane is not None:
+            hidden = hidden.gather(1, parent_lane[:, :, None].expand(*parent_lane.shape, hidden.shape[-1]))
         # Step s writes lane columns [(s - 1) K, s K); without a context the columns are unknown: no fold.
         offset = None if context is None else (context.step - 1) * tokens.shape[1]
         out = self.forward_rows(cache, hidden, tokens, positions, slots, prefix_len, ancestor_mask, window, offset)

@@ -718,16 +718,18 @@ class TreeSpeculator:
             lane_pos = vc[:, None] + st["rows_ws"]  # [B, (S-1)K]: vc - 1 + s
             lane_slots = cache.slots(vc[:, None] + st["rows_w"])  # [B, (S-1)K]
         fill_context = getattr(self.drafter, "reads_draft_context", True)  # an unknown drafter may read it
+        gather_inside = getattr(self.drafter, "gathers_parents", False)
         for s in range(1, S):
             cols = slice((s - 1) * K, s * K)
             if fill_context:
                 st["lane_tokens"][:, cols].copy_(lanes.tokens)
             context = DraftContext(history=st["history"], vc=vc, lane_tokens=st["lane_tokens"], step=s)
-            parent = hidden.gather(1, lanes.parent_lane[:, :, None].expand(B, K, H))
-            hidden, logits = drafter.draft_lanes(
-                cache, parent, lanes.tokens, lane_pos[:, cols], lane_slots[:, cols], vc, lanes.mask,
-                self.lane_window, context,
-            )  # fmt: skip
+            args = (lane_pos[:, cols], lane_slots[:, cols], vc, lanes.mask, self.lane_window, context)
+            if gather_inside:  # the parents' gather fuses into the compiled step
+                hidden, logits = drafter.draft_lanes(cache, hidden, lanes.tokens, *args, lanes.parent_lane)
+            else:
+                parent = hidden.gather(1, lanes.parent_lane[:, :, None].expand(B, K, H))
+                hidden, logits = drafter.draft_lanes(cache, parent, lanes.tokens, *args)
             logp, tokens = drafter.score_candidates(logits, K)  # [B, K, K]
             if self.tree is not None:
                 lanes = self.tree.expand(lanes, logp, tokens)

@@ -261,3 +261,34 @@ def test_for_target_sizes_a_head_for_a_model_without_attention():
     drafter = EagleDrafter.for_target(Mamba2ForCausalLM(config), seed=0)
     assert drafter.config.num_attention_heads == 1 and drafter.config.head_dim == 64
     assert drafter.config.intermediate_size == 256
+
+
+def test_lane_step_gathers_its_parents_inside(target):
+    """``draft_lanes(..., parent_lane)``: handed the previous step's rows ``[B, K', H]`` and each lane's parent
+    row, the step equals the same step on the rows gathered beforehand (float64, distinct parents per lane:
+    a wrong or reordered gather changes the outputs)."""
+    head = EagleDrafter.for_target(target, seed=3).to(torch.float64)
+    assert head.gathers_parents
+    B, Kp, K, H = 2, 3, 4, target.config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    prev = torch.randn(B, Kp, H, generator=g, dtype=torch.float64)
+    parent_lane = torch.tensor([[2, 0, 1, 2], [1, 1, 0, 2]])
+    tokens = torch.randint(0, head.d2t.shape[0], (B, K), generator=g)
+    positions = torch.full((B, K), 5)
+    mask = (1 << torch.arange(K)).expand(B, K)
+    prefix = torch.full((B,), 5, dtype=torch.int64)
+    outs = []
+    for inside in (False, True):
+        cache = head.new_cache(B, 32, page_size=8)
+        slots = cache.slots(5 + torch.arange(K).expand(B, K))
+        if inside:
+            args = (cache, prev, tokens, positions, slots, prefix, mask, K, None, parent_lane)
+        else:
+            parents = prev.gather(1, parent_lane[:, :, None].expand(B, K, H))
+            args = (cache, parents, tokens, positions, slots, prefix, mask, K, None)
+        outs.append(head.draft_lanes(*args))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    flipped = head.draft_lanes(head.new_cache(B, 32, page_size=8), prev, tokens, positions, slots, prefix, mask, K,
+                               None, parent_lane.flip(-1))[0]  # fmt: skip
+    assert not torch.allclose(flipped, outs[0][0])

@@ -201,3 +201,4 @@ def test_only_drafters_that_override_a_hook_get_the_lane_tokens():
     model = tiny_model("llama", seed=5)
     assert EagleDrafter.for_target(model, seed=1).reads_draft_context is False
     assert OracleDrafter.build(model, noise=0.0, seed=2).reads_draft_context is True
+
