@@ -14,7 +14,9 @@ logp    [R, k]   float32 (float64 for float64 logits): the k largest ``log_softm
                  best first
 index   [R, k]   int64 vocabulary indices of ``logp``
 
-``torch.ops.treespec.draft_topk(logits, k) -> (logp, index)`` with ``1 <= k <= 16``. Order: higher logit
+``torch.ops.treespec.draft_topk(logits, k, index_offset=None) -> (logp, index)`` with ``1 <= k <= 16``;
+``index_offset`` (int64 ``[V]``, EAGLE-3's ``d2t``) maps each returned index i to ``i + index_offset[i]`` in the
+kernel's store. Order: higher logit
 first, ties to the lower index. NaN logits count as -inf (never preferred over a finite value). A row
 that is entirely -inf/NaN gives NaN logp (as ``torch.log_softmax`` does) and indices ``0..k-1``; a row
 holding +inf also gives NaN logp (as torch does), its +inf entries ranked first.
@@ -50,19 +52,22 @@ _LOGITS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @torch.library.custom_op("treespec::draft_topk", mutates_args=())
-def draft_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of ``log_softmax(logits)``: ``[R, V] -> (logp [R, k], index [R, k] int64)``, best first."""
-    _check_draft_topk_inputs(logits, k)
-    if use_triton(logits):
+def draft_topk(
+    logits: torch.Tensor, k: int, index_offset: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``log_softmax(logits)``: ``[R, V] -> (logp [R, k], index [R, k] int64)``, best first; with
+    ``index_offset`` (int64 ``[V]``, e.g. EAGLE-3's ``d2t``) each index i comes back as ``i + index_offset[i]``."""
+    _check_draft_topk_inputs(logits, k, index_offset)
+    if use_triton(logits) and (index_offset is None or index_offset.is_cuda):
         logp, index = _empty_outputs(logits, k)
-        _launch_draft_topk(logits, k, logp, index)
+        _launch_draft_topk(logits, k, logp, index, index_offset=index_offset)
         return logp, index
-    return draft_topk_reference(logits, k)
+    return draft_topk_reference(logits, k, index_offset)
 
 
 @draft_topk.register_fake
-def _(logits: torch.Tensor, k: int):
-    _check_draft_topk_inputs(logits, k)
+def _(logits: torch.Tensor, k: int, index_offset: torch.Tensor | None = None):
+    _check_draft_topk_inputs(logits, k, index_offset)
     return _empty_outputs(logits, k)
 
 
@@ -83,10 +88,18 @@ def _empty_outputs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_draft_topk_inputs(logits: torch.Tensor, k: int) -> None:
+def _check_draft_topk_inputs(logits: torch.Tensor, k: int, index_offset: torch.Tensor | None = None) -> None:
     check_dim("logits", logits, 2, "[R, V]")
     check_dtype("logits", logits, *_LOGITS_DTYPES)
     vocab = logits.shape[1]
+    if index_offset is not None:
+        check_dim("index_offset", index_offset, 1, "[V]")
+        check_dtype("index_offset", index_offset, torch.int64)
+        if index_offset.shape[0] != vocab:
+            raise ValueError(f"index_offset: expected one offset per vocabulary entry (V = {vocab}), "
+                             f"got shape {tuple(index_offset.shape)}")  # fmt: skip
+        if index_offset.device != logits.device:
+            raise ValueError(f"index_offset: expected the logits' device {logits.device}, got {index_offset.device}")
     if vocab > 1 and logits.stride(1) != 1:  # the kernel reads each slice as one contiguous run
         raise ValueError(
             f"logits: the last dim must have stride 1, got strides {tuple(logits.stride())}"
@@ -110,13 +123,15 @@ def _launch_draft_topk(
     block: int | None = None,
     num_warps: int | None = None,
     fused_merge: bool | None = None,
+    index_offset: torch.Tensor | None = None,
 ) -> None:
     """Fill preallocated ``logp [R, k]`` (float32, or float64 for float64 logits) and ``index [R, k]``.
 
     ``block``: vocabulary slice per stage-1 program (a power of two >= k); ``num_warps`` its warps (both
     default to :func:`slice_config`). ``fused_merge`` (default: ``TREECOMPILE_TOPK_FUSED_MERGE=1``, else off
     until timed on the GPU): the row's last slice program to finish merges the row, so there is one launch,
-    not two. The workspaces' sizes depend only on shapes, so the launcher is capturable in a CUDA graph.
+    not two. ``index_offset`` (int64 ``[V]``, any stride): added to each index at the merge's store. The
+    workspaces' sizes depend only on shapes, so the launcher is capturable in a CUDA graph.
     """
     rows, vocab = logits.shape
     if rows == 0:
@@ -142,6 +157,8 @@ def _launch_draft_topk(
         fused_merge = os.environ.get(FUSED_MERGE_ENV, "").strip() == "1"
     fused = bool(fused_merge) and rows <= MERGE_ROWS
     counters = counter_table("draft_topk fused merge", logits.device, MERGE_ROWS) if fused else slice_max
+    offsets = index if index_offset is None else index_offset  # unused stand-in without offsets
+    offset_stride = 0 if index_offset is None else index_offset.stride(0)
     _draft_topk_slice_kernel[(rows, num_blocks)](
         logits,
         cand_value,
@@ -158,10 +175,13 @@ def _launch_draft_topk(
         logp.stride(1),
         index.stride(0),
         index.stride(1),
+        offsets,
+        offset_stride,
         K=k,
         BLOCK=block,
         WORK_DTYPE=work_tl,
         FUSED_MERGE=fused,
+        HAS_OFFSET=index_offset is not None,
         BLOCK_C=block_c,
         BLOCK_NB=block_nb,
         num_warps=num_warps,
@@ -180,7 +200,10 @@ def _launch_draft_topk(
         logp.stride(1),
         index.stride(0),
         index.stride(1),
+        offsets,
+        offset_stride,
         K=k,
+        HAS_OFFSET=index_offset is not None,
         BLOCK_C=block_c,
         BLOCK_NB=block_nb,
         num_warps=4 if block_c >= 512 else 1,
@@ -223,10 +246,13 @@ if HAS_TRITON:
         stride_pk,
         stride_ir,
         stride_ik,
+        offset_ptr,
+        stride_o,
         K: tl.constexpr,
         BLOCK: tl.constexpr,
         WORK_DTYPE: tl.constexpr,
         FUSED_MERGE: tl.constexpr,
+        HAS_OFFSET: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BLOCK_NB: tl.constexpr,
     ):
@@ -270,7 +296,8 @@ if HAS_TRITON:
             if arrived == num_blocks - 1:
                 _merge_row(
                     cand_value_ptr, cand_index_ptr, slice_max_ptr, slice_sum_ptr, logp_ptr, index_ptr, row,
-                    num_blocks, stride_pr, stride_pk, stride_ir, stride_ik, K, BLOCK_C, BLOCK_NB, ".cg",
+                    num_blocks, stride_pr, stride_pk, stride_ir, stride_ik, offset_ptr, stride_o, K, HAS_OFFSET,
+                    BLOCK_C, BLOCK_NB, ".cg",
                 )  # fmt: skip
                 tl.atomic_xchg(counters + row, 0, sem="relaxed", scope="gpu")
 
@@ -287,22 +314,26 @@ if HAS_TRITON:
         stride_pk,
         stride_ir,
         stride_ik,
+        offset_ptr,
+        stride_o,
         K: tl.constexpr,
+        HAS_OFFSET: tl.constexpr,
         BLOCK_C: tl.constexpr,
         BLOCK_NB: tl.constexpr,
     ):
         # Stage 2, one program per row (see _merge_row).
         _merge_row(
             cand_value_ptr, cand_index_ptr, slice_max_ptr, slice_sum_ptr, logp_ptr, index_ptr,
-            tl.program_id(0).to(tl.int64), num_blocks, stride_pr, stride_pk, stride_ir, stride_ik, K, BLOCK_C,
-            BLOCK_NB, "",
+            tl.program_id(0).to(tl.int64), num_blocks, stride_pr, stride_pk, stride_ir, stride_ik, offset_ptr,
+            stride_o, K, HAS_OFFSET, BLOCK_C, BLOCK_NB, "",
         )  # fmt: skip
 
     @triton.jit
     def _merge_row(
         cand_value_ptr, cand_index_ptr, slice_max_ptr, slice_sum_ptr, logp_ptr, index_ptr, row, num_blocks,
-        stride_pr, stride_pk, stride_ir, stride_ik,
-        K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr, CACHE: tl.constexpr,
+        stride_pr, stride_pk, stride_ir, stride_ik, offset_ptr, stride_o,
+        K: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_NB: tl.constexpr,
+        CACHE: tl.constexpr,
     ):  # fmt: skip
         # lse = M + log(sum_i s_i * exp(m_i - M)) over the slices, then k rounds over the NB * k candidates
         # (value desc, index asc). Every slice offers min(len, k) real candidates and V >= k, so padding
@@ -330,7 +361,10 @@ if HAS_TRITON:
             taken = taken | (c == pos)
             # An all -inf row: -inf - -inf = NaN, as torch.log_softmax gives.
             tl.store(logp_ptr + row * stride_pr + j * stride_pk, best - lse)
-            tl.store(index_ptr + row * stride_ir + j * stride_ik, sel.to(tl.int64))
+            out_index = sel.to(tl.int64)
+            if HAS_OFFSET:  # EAGLE-3's d2t: draft id -> target id, in the store instead of a kernel of its own
+                out_index += tl.load(offset_ptr + out_index * stride_o)
+            tl.store(index_ptr + row * stride_ir + j * stride_ik, out_index)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -338,7 +372,9 @@ if HAS_TRITON:
 # --------------------------------------------------------------------------------------------------
 
 
-def draft_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_topk_reference(
+    logits: torch.Tensor, k: int, index_offset: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch top-k of ``log_softmax``, worked in float64; same contract as the op."""
     work = logits.to(torch.float64)
     work = torch.where(torch.isnan(work), float("-inf"), work)
@@ -346,4 +382,6 @@ def draft_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     # all -inf row yields 0..k-1.
     index = torch.sort(work, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
     logp = torch.log_softmax(work, dim=-1).gather(1, index)  # all -inf row: NaN
+    if index_offset is not None:
+        index = index + index_offset.to(index.device)[index]
     return logp.to(_out_dtype(logits)), index

@@ -435,12 +435,12 @@ class EagleDrafter(nn.Module):
         if logits.is_cuda and logits.dtype != torch.float64 and k <= MAX_TOPK:
             # One pass over the vocabulary for the local top-k and the log-sum-exp, a tiny merge: ~10 us
             # where log_softmax + torch.topk took ~65 us on a 32k draft vocabulary (ops/draft_topk.py).
-            logp, index = torch.ops.treespec.draft_topk(logits.reshape(-1, logits.shape[-1]), k)
+            # The kernel maps draft ids to target ids (d2t) in its store: no gather kernel after it.
+            logp, index = torch.ops.treespec.draft_topk(logits.reshape(-1, logits.shape[-1]), k, self.d2t)
             shape = (*logits.shape[:-1], k)
-            logp, index = logp.view(shape), index.view(shape)
-        else:
-            work = torch.promote_types(logits.dtype, torch.float32)
-            logp, index = torch.topk(torch.log_softmax(logits.to(work), dim=-1), k, dim=-1)
+            return logp.view(shape), index.view(shape)
+        work = torch.promote_types(logits.dtype, torch.float32)
+        logp, index = torch.topk(torch.log_softmax(logits.to(work), dim=-1), k, dim=-1)
         return logp, index + self.d2t[index]
 
     # -- the hooks a round calls (a scoring oracle may override them) -----------------------------------

@@ -61,7 +61,7 @@ def oracle_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return logp_all.gather(1, index), index
 
 
-def run_launcher(logits: torch.Tensor, k: int, block: int, fused: bool = False):
+def run_launcher(logits: torch.Tensor, k: int, block: int, fused: bool = False, index_offset=None):
     """Call the launcher with NaN-poisoned strided outputs (columns outside [1, 1 + k) must stay NaN).
     ``fused``: the merge inside the slice kernel (the last slice of a row merges it); the counter table
     must be all zero again afterwards."""
@@ -70,7 +70,7 @@ def run_launcher(logits: torch.Tensor, k: int, block: int, fused: bool = False):
     logp_buf = poisoned((rows, k + 3), out_dtype, logits.device)
     index_buf = poisoned((rows, k + 3), torch.int64, logits.device)
     logp, index = logp_buf[:, 1 : 1 + k], index_buf[:, 1 : 1 + k]
-    _launch_draft_topk(logits, k, logp, index, block=block, fused_merge=fused)
+    _launch_draft_topk(logits, k, logp, index, block=block, fused_merge=fused, index_offset=index_offset)
     if fused:
         assert int(counter_table("draft_topk fused merge", logits.device, 1).abs().sum()) == 0
     assert torch.isnan(logp_buf[:, 0]).all() and torch.isnan(logp_buf[:, 1 + k :]).all()
@@ -226,6 +226,8 @@ def test_opcheck():
     cases = ((torch.randn(3, 50, generator=gen), 4), (torch.randn(2, 16, generator=gen).double(), 16))
     for logits, k in cases:
         torch.library.opcheck(torch.ops.treespec.draft_topk.default, (logits, k))
+    offset = torch.arange(50, dtype=torch.int64) * 2
+    torch.library.opcheck(torch.ops.treespec.draft_topk.default, (cases[0][0], 4, offset))
 
 
 @pytest.mark.parametrize(
@@ -304,3 +306,31 @@ def test_gpu_cuda_graph_replay_with_new_logits(monkeypatch, fused):
 def test_gpu_opcheck():
     logits = torch.randn(3, 5000, device="cuda")
     torch.library.opcheck(torch.ops.treespec.draft_topk.default, (logits, 8))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["merge-launch", "fused-merge"])
+def test_kernel_index_offset_maps_each_index(fused, kernel_device):
+    """``index_offset`` (EAGLE-3's d2t, here a strided view): each returned index i is i + offset[i], added in
+    the merge's store; the log-probs are unchanged."""
+    rows, vocab, k = 5, 300, 8
+    logits = mixed_logits(rows, vocab, seed=21)
+    table = torch.randint(0, 5000, (vocab, 2), generator=torch.Generator().manual_seed(2))
+    offset = table[:, 1]  # stride 2
+    got = run_launcher(logits.to(kernel_device), k, 64, fused, offset.to(kernel_device))
+    want_logp, want_index = oracle_topk(logits, k)
+    assert_matches(got, (want_logp, want_index + offset[want_index]), tol=2e-6)
+    ref = draft_topk_reference(logits, k, offset)
+    assert torch.equal(ref[1], want_index + offset[want_index])
+
+
+def test_op_index_offset_on_cpu_and_bad_offsets():
+    logits = mixed_logits(3, 40, seed=5)
+    offset = torch.arange(40) * 3
+    logp, index = torch.ops.treespec.draft_topk(logits, 4, offset)
+    want_logp, want_index = draft_topk_reference(logits, 4)
+    assert torch.equal(index, want_index * 4) and torch.equal(logp, want_logp)
+    for bad, match in ((offset[:39], r"index_offset: expected one offset per vocabulary entry \(V = 40\)"),
+                       (offset.int(), "index_offset: expected dtype torch.int64"),
+                       (offset.view(4, 10), r"index_offset: expected a 1-d tensor")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            torch.ops.treespec.draft_topk(logits, 4, bad)

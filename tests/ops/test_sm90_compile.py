@@ -76,9 +76,11 @@ def _cases() -> dict:
     import triton.language as tl
 
     topk_types = dict(logits_ptr="*bf16", cand_value_ptr="*fp32", cand_index_ptr="*i32", slice_max_ptr="*fp32",
-                      slice_sum_ptr="*fp32", logp_ptr="*fp32", index_ptr="*i64", counters="*i32")  # fmt: skip
+                      slice_sum_ptr="*fp32", logp_ptr="*fp32", index_ptr="*i64", counters="*i32",
+                      offset_ptr="*i64")  # fmt: skip
     for fused in (False, True):  # the shipped SmolLM2 head's top-k: 8k vocabulary, 256-entry slices, k = 8
-        const = dict(K=8, BLOCK=256, WORK_DTYPE=tl.float32, FUSED_MERGE=fused, BLOCK_C=256, BLOCK_NB=32)
+        const = dict(K=8, BLOCK=256, WORK_DTYPE=tl.float32, FUSED_MERGE=fused, HAS_OFFSET=True, BLOCK_C=256,
+                     BLOCK_NB=32)  # fmt: skip
         cases[f"topk-slice-{'fused' if fused else 'plain'}"] = (
             "draft_topk", "_draft_topk_slice_kernel", const, topk_types, ("vocab", "num_blocks"), 1, 3,
         )  # fmt: skip
