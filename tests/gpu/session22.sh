@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Next session's plan, first device call (carry .gguf/smol.gguf.part.aa, .gguf/sha256.txt, .whl): install; the GPU
 # tests of the ops changed in the fifteenth session (the cascade's fused merge and window_offset, the draft
-# top-k's fused merge, the shared counter table under split-K); the cascade A/B at the 8B verify / decode shapes
+# top-k's fused merge and index_offset (d2t in the store), the shared counter table under split-K); the cascade A/B at the 8B verify / decode shapes
 # (the "fused" variants); 8B rounds with every default, then with the three launch savers on for every launch.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 mkdir -p /tmp/models && cp .gguf/smol.gguf.part.* .gguf/sha256.txt /tmp/models/ 2>/dev/null
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1 || { tail /tmp/install.log; exit 3; }
-timeout 170 python3 -m pytest -q -p no:cacheprovider --log-level=WARNING -m gpu tests/ops \
-  -k "tree_attention or draft_topk or split_k" > "$OUT/gpu_ops.log" 2>&1
+timeout 170 python3 -m pytest -q -p no:cacheprovider --log-level=WARNING -m gpu tests/ops tests/models/test_eagle_drafter.py \
+  -k "tree_attention or draft_topk or split_k or score_candidates" > "$OUT/gpu_ops.log" 2>&1
 echo "gpu ops rc=$? $(tail -1 "$OUT/gpu_ops.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_ops.log" | head
 timeout 70 python3 tests/gpu/cascade_ab.py "$OUT/cascade_ab.json" "2048:64,2048:1" > "$OUT/cascade_ab.log" 2>&1
 echo "cascade_ab rc=$?"; grep -E "default |fused|best" "$OUT/cascade_ab.log" | cut -c1-120

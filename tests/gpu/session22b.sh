@@ -13,5 +13,5 @@ echo "rounds light rc=$?"; grep -E "^variant|^\| (treecompile|draft|c )" "$OUT/r
 timeout 130 python3 -m $R --json "$OUT/rounds_default2.json" > "$OUT/rounds_default2.log" 2>&1
 echo "rounds default again rc=$?"; grep -E "^\| (treecompile|draft|c )" "$OUT/rounds_default2.log" | cut -c1-110
 timeout 270 python3 -m pytest -q -p no:cacheprovider --log-level=WARNING -m gpu tests/runtime/test_speculator_gpu.py \
-  -k "fused_merges or lookahead or graphs_equal or no_host_sync" -rA > "$OUT/gpu_rt.log" 2>&1
+  -k "fused_merges or lookahead or graphs_equal or no_host_sync or agree" -rA > "$OUT/gpu_rt.log" 2>&1
 echo "gpu runtime rc=$? $(tail -1 "$OUT/gpu_rt.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_rt.log" | head
