@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from typing import Sequence
 
 import torch
@@ -112,6 +113,46 @@ def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     (``treespec::vocab_argmax``, ~3-5 us where torch's reduction took ~12 us on the H200)."""
     flat = logits.reshape(-1, logits.shape[-1])
     return torch.ops.treespec.vocab_argmax(flat).view(logits.shape[:-1])
+
+
+COMPILED_COMMIT_ENV = "TREECOMPILE_COMPILED_COMMIT"
+
+
+def _commit_tokens(
+    tree_tokens, path, alen, bonus, rows, eos, running, n_gen, max_new, out, emitted, history, dvc, pend_tok,
+    pend_feat, pend_n, root, vc, aux, P: int, num_nodes: int,
+):  # fmt: skip
+    """A round's commit, in place on the request state (``[B, ..]`` tensors): emit the accepted tokens (EOS and
+    ``max_new`` cut them) into ``out``/``history``, advance ``vc``/``n_gen``/the pending pairs of running
+    requests, stop the finished ones. Returns the committed lengths ``[B]`` (0 for requests that were not
+    running) for the linear-attention state. A plain function, so it can be compiled whole
+    (``TREECOMPILE_COMPILED_COMMIT=1``: ~30 small kernels a round become a few)."""
+    path_tokens = tree_tokens.gather(1, path.clamp(min=0))
+    # Token after accepted node i: the next path node's token, the bonus after the last one.
+    emit = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)
+    emit = torch.where(rows[None, :] == (alen - 1)[:, None], bonus[:, None], emit)
+    is_eos = _is_eos(emit, eos) & (rows[None, :] < alen[:, None])
+    first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1), num_nodes)
+    count = torch.minimum(torch.minimum(alen, first_eos + 1), max_new - n_gen)
+    count = torch.where(running, count, 0)
+    out.scatter_(1, n_gen[:, None] + rows[None, :], torch.where(running[:, None], emit, out.gather(
+        1, n_gen[:, None] + rows[None, :])))
+    emitted.copy_(count)
+    n_gen += count
+    cap = history.shape[1]
+    idx = (vc[:, None] + 1 + rows[None, :]).clamp(max=cap - 1)
+    keep = history.gather(1, idx)
+    history.scatter_(1, idx, torch.where(running[:, None] & (rows[None, :] < alen[:, None]), emit, keep))
+    dvc.copy_(torch.where(running, vc, dvc))
+    pend_tok.copy_(torch.where(running[:, None], emit[:, :P], pend_tok))
+    pend_feat.copy_(torch.where(running[:, None, None], aux[:, :P], pend_feat))
+    pend_n.copy_(torch.where(running, alen, pend_n))
+    root.copy_(torch.where(running, bonus, root))
+    vc.copy_(torch.where(running, vc + alen, vc))
+    committed = torch.where(running, alen, 0)
+    finished = (first_eos < count) | (n_gen >= max_new)
+    running &= ~finished
+    return committed
 
 
 def _positive_int(name: str, value) -> int:
@@ -304,6 +345,11 @@ class TreeSpeculator:
             drafter.skinny_linears()
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)
+        self._commit_fn = _commit_tokens
+        if self.draft_hooks.inductor and os.environ.get(COMPILED_COMMIT_ENV, "").strip() == "1":
+            # One Inductor graph for the commit's ~30 small ops (in place on the state: Inductor writes the
+            # mutated inputs back). Off by default until the GPU has timed it.
+            self._commit_fn = compile_inference(_commit_tokens, f"_commit_tokens_{id(self):x}", fullgraph=True)
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too
             self.tree = DraftTree(topk, steps, num_nodes, inductor=True)
         self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)
@@ -769,35 +815,13 @@ class TreeSpeculator:
 
     def _commit(self, st) -> None:
         """Emit the accepted tokens (EOS and max_new_tokens cut them), then commit running requests."""
-        P = self.pending_rows
-        running, vc, n_gen = st["running"], st["vc"], st["n_gen"]
-        alen, bonus, rows = st["accept_len"], st["bonus"], st["rows_n"]
-        path_tokens = st["tree_tokens"].gather(1, st["path"].clamp(min=0))
-        # Token after accepted node i: the next path node's token, the bonus after the last one.
-        emit = torch.cat([path_tokens[:, 1:], path_tokens[:, :1]], dim=1)
-        emit = torch.where(rows[None, :] == (alen - 1)[:, None], bonus[:, None], emit)
-        is_eos = _is_eos(emit, st["eos"]) & (rows[None, :] < alen[:, None])
-        first_eos = torch.where(is_eos.any(1), is_eos.to(torch.int64).argmax(1), self.num_nodes)
-        count = torch.minimum(torch.minimum(alen, first_eos + 1), st["max_new"] - n_gen)
-        count = torch.where(running, count, 0)
-        st["out"].scatter_(1, n_gen[:, None] + rows[None, :], torch.where(running[:, None], emit, st["out"].gather(
-            1, n_gen[:, None] + rows[None, :])))
-        st["emitted"].copy_(count)
-        n_gen += count
-        cap = st["history"].shape[1]
-        idx = (vc[:, None] + 1 + rows[None, :]).clamp(max=cap - 1)
-        keep = st["history"].gather(1, idx)
-        st["history"].scatter_(1, idx, torch.where(running[:, None] & (rows[None, :] < alen[:, None]), emit, keep))
-        st["dvc"].copy_(torch.where(running, vc, st["dvc"]))
-        st["pend_tok"].copy_(torch.where(running[:, None], emit[:, :P], st["pend_tok"]))
-        st["pend_feat"].copy_(torch.where(running[:, None, None], st["aux"][:, :P], st["pend_feat"]))
-        st["pend_n"].copy_(torch.where(running, alen, st["pend_n"]))
-        st["root"].copy_(torch.where(running, bonus, st["root"]))
-        vc.copy_(torch.where(running, vc + alen, vc))
+        committed = self._commit_fn(
+            st["tree_tokens"], st["path"], st["accept_len"], st["bonus"], st["rows_n"], st["eos"], st["running"],
+            st["n_gen"], st["max_new"], st["out"], st["emitted"], st["history"], st["dvc"], st["pend_tok"],
+            st["pend_feat"], st["pend_n"], st["root"], st["vc"], st["aux"], self.pending_rows, self.num_nodes,
+        )  # fmt: skip
         # Linear-attention state follows the accepted path; finished requests keep theirs (length 0).
-        self.binding.commit_linear_state(st["path"], torch.where(running, alen, 0))
-        finished = (first_eos < count) | (n_gen >= st["max_new"])
-        running &= ~finished
+        self.binding.commit_linear_state(st["path"], committed)
 
     # ---------------------------------------------------------------------------------------------------
     # CUDA graphs

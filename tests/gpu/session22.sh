@@ -16,6 +16,6 @@ echo "cascade_ab rc=$?"; grep -E "default |fused|best" "$OUT/cascade_ab.log" | c
 R="treecompile.bench rounds --inductor --nodes 64 --reps 10"
 timeout 130 python3 -m $R --json "$OUT/rounds_default.json" > "$OUT/rounds_default.log" 2>&1
 echo "rounds default rc=$?"; grep -E "^\| (treecompile|draft|c )" "$OUT/rounds_default.log" | cut -c1-110
-TREECOMPILE_CASCADE=fused_merge=1 TREECOMPILE_TOPK_FUSED_MERGE=1 TREECOMPILE_DRAFT_FOLD=1 timeout 130 \
+TREECOMPILE_CASCADE=fused_merge=1 TREECOMPILE_TOPK_FUSED_MERGE=1 TREECOMPILE_DRAFT_FOLD=1 TREECOMPILE_COMPILED_COMMIT=1 timeout 130 \
   python3 -m $R --json "$OUT/rounds_fused.json" > "$OUT/rounds_fused.log" 2>&1
 echo "rounds fused (every launch) rc=$?"; grep -E "^\| (treecompile|draft|c )" "$OUT/rounds_fused.log" | cut -c1-110

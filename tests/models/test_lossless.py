@@ -202,3 +202,26 @@ def test_only_drafters_that_override_a_hook_get_the_lane_tokens():
     assert EagleDrafter.for_target(model, seed=1).reads_draft_context is False
     assert OracleDrafter.build(model, noise=0.0, seed=2).reads_draft_context is True
 
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_commit_keeps_eos_and_max_new_tokens_exact(backend):
+    """``TREECOMPILE_COMPILED_COMMIT``: the commit compiled whole (fullgraph; in-place updates of the request
+    state written back by the compiler). EOS inside an accepted path and the max_new_tokens cut must come out
+    as HF greedy's, over two requests in a row on the same speculator (no state leaks)."""
+    from treecompile.compiling import compile_inference
+    from treecompile.speculator import _commit_tokens
+
+    model = tiny_model("mistral", seed=5)
+    spec = TreeSpeculator(model, OracleDrafter.build(model, noise=0.3, seed=4), topk=2, steps=4, num_nodes=8,
+                          max_batch_size=3, max_seq_len=96, page_size=8)  # fmt: skip
+    spec._commit_fn = compile_inference(_commit_tokens, f"_commit_tokens_test_{backend}", fullgraph=True,
+                                        backend=backend)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    ids, mask = ragged_batch(g, 3)
+    free = hf_greedy(model, ids, mask, 24)[:, ids.shape[1]:]
+    eos = [int(free[0, 9]), int(free[2, 5])]
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out.sequences, hf_greedy(model, ids, mask, 24, eos=eos, pad=0))
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=13, eos_token_id=None, pad_token_id=0)
+    assert_same(out, hf_greedy(model, ids, mask, 13), 13)

@@ -318,7 +318,8 @@ def test_fused_merges_and_the_draft_fold_change_no_token(monkeypatch, dtype):
     """The fifteenth session's launch savers, all on: the cascade's merge inside stage 1
     (``TREECOMPILE_CASCADE=fused_merge=1``), the draft top-k's merge inside its slice kernel
     (``TREECOMPILE_TOPK_FUSED_MERGE=1``) and the draft cache write inside the lane attention
-    (``fold_cache_write``: lane step s's rows are window columns [(s - 1) K, s K)). Captured rounds replay
+    (``fold_cache_write``: lane step s's rows are window columns [(s - 1) K, s K)) and the commit compiled
+    whole (``TREECOMPILE_COMPILED_COMMIT=1``). Captured rounds replay
     them with the arrival counters zeroed by each launch. The fused merges sum the same terms in another
     order, so fp32 must give the same tokens and bf16 nearly the same (near-ties may round apart)."""
     model = tiny_llama(dtype)
@@ -327,6 +328,7 @@ def test_fused_merges_and_the_draft_fold_change_no_token(monkeypatch, dtype):
     for on in (False, True):
         monkeypatch.setenv("TREECOMPILE_CASCADE", "fused_merge=1" if on else "")
         monkeypatch.setenv("TREECOMPILE_TOPK_FUSED_MERGE", "1" if on else "0")
+        monkeypatch.setenv("TREECOMPILE_COMPILED_COMMIT", "1" if on else "0")
         torch._dynamo.reset()
         drafter = EagleDrafter.for_target(model, seed=1).to("cuda", dtype)
         drafter.fold_cache_write = on
