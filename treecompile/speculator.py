@@ -527,7 +527,7 @@ class TreeSpeculator:
             if isinstance(t, torch.Tensor) and not name.startswith(("rows_", "chain_")):
                 t.zero_()
         bound["pend_n"].fill_(1)
-        bound["accept_len"].fill_(1)
+        bound.pop("round", None)  # a verify's outputs never outlive their commit
         bound["spec"].reset_chain()
         bound["spec"].positions.zero_()
         history = torch.zeros(B, self.max_seq_len, dtype=torch.int64)
@@ -560,11 +560,6 @@ class TreeSpeculator:
             # The verify tree, bound once: the chain (topk == 1) is never rewritten.
             "spec": TreeSpec(B, N, device=dev),
             "tree_tokens": torch.zeros(B, N, dtype=torch.int64, device=dev),
-            # Round outputs, written in place so an eager round and a replayed graph leave them alike.
-            "path": torch.zeros(B, N, dtype=torch.int64, device=dev),
-            "accept_len": torch.ones(B, dtype=torch.int64, device=dev),
-            "bonus": torch.zeros(B, dtype=torch.int64, device=dev),
-            "aux": torch.zeros(B, N, feat, dtype=self.dtype, device=dev),
             # Per-request progress, bound too: the captured verify round commits into them.
             "prompt_len": torch.zeros(B, dtype=torch.int64, device=dev),
             "n_gen": torch.zeros(B, dtype=torch.int64, device=dev),
@@ -807,21 +802,21 @@ class TreeSpeculator:
         kv = self.binding.kv_buffers()
         if kv:  # a pure Mamba2 target has no KV cache
             torch.ops.treespec.compact_window_rows(kv, self.binding.window_slots(B, N), path, accept_len)
-        st["aux"].copy_(aux)
-        spec.compact_rows(st["aux"], path, accept_len, vc)
-        st["path"].copy_(path)
-        st["accept_len"].copy_(accept_len)
-        st["bonus"].copy_(bonus)
+        spec.compact_rows(aux, path, accept_len, vc)  # aux is this forward's own tensor: compacted in place
+        # The round's outputs go to the commit by reference, not copied into bound buffers (four kernels a
+        # round): the commit runs right after, in the same captured graph, and nothing else reads them.
+        st["round"] = (path, accept_len, bonus, aux)
 
     def _commit(self, st) -> None:
         """Emit the accepted tokens (EOS and max_new_tokens cut them), then commit running requests."""
+        path, accept_len, bonus, aux = st.pop("round")
         committed = self._commit_fn(
-            st["tree_tokens"], st["path"], st["accept_len"], st["bonus"], st["rows_n"], st["eos"], st["running"],
+            st["tree_tokens"], path, accept_len, bonus, st["rows_n"], st["eos"], st["running"],
             st["n_gen"], st["max_new"], st["out"], st["emitted"], st["history"], st["dvc"], st["pend_tok"],
-            st["pend_feat"], st["pend_n"], st["root"], st["vc"], st["aux"], self.pending_rows, self.num_nodes,
+            st["pend_feat"], st["pend_n"], st["root"], st["vc"], aux, self.pending_rows, self.num_nodes,
         )  # fmt: skip
         # Linear-attention state follows the accepted path; finished requests keep theirs (length 0).
-        self.binding.commit_linear_state(st["path"], committed)
+        self.binding.commit_linear_state(path, committed)
 
     # ---------------------------------------------------------------------------------------------------
     # CUDA graphs
