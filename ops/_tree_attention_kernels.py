@@ -451,7 +451,9 @@ def _merge_row_block(
     """The merge of ``cascade_merge_kernel`` for a stage-1 program's [BLOCK_M] flat rows: the NS + 1 base-2 LSEs
     at once for the max and the denominator, then the partial outputs CHUNK states at a time ([BLOCK_M,
     CHUNK, D] loads; [BLOCK_M, D] when CHUNK is 1). Empty states (LSE -inf) are never loaded (their rows were
-    not written)."""
+    not written). Not shared with the merge kernel on purpose: that one issues the LSE and partial loads at
+    once (one L2 round trip, the H200-timed form) and holds all NS + 1 states, which a stage-1 program's
+    registers cannot."""
     s = tl.arange(0, BLOCK_S)
     lse = tl.load(
         lse_part + row[:, None] * (NS + 1) + s[None, :], mask=row_ok[:, None] & (s < NS + 1)[None, :],
