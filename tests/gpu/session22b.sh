@@ -7,8 +7,8 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 cp .gguf/smol.gguf.part.* /tmp/models/ 2>/dev/null
 R="treecompile.bench rounds --inductor --nodes 64 --reps 10"
-TREECOMPILE_TOPK_FUSED_MERGE=1 TREECOMPILE_DRAFT_FOLD=1 TREECOMPILE_COMPILED_COMMIT=1 timeout 130 python3 tests/gpu/variant.py \
-  --cascade-light fused_merge=1 $R --json "$OUT/rounds_light.json" > "$OUT/rounds_light.log" 2>&1
+TREECOMPILE_TOPK_FUSED_MERGE=1 TREECOMPILE_DRAFT_FOLD=1 TREECOMPILE_COMPILED_COMMIT=1 timeout 130 python3 -m \
+  $R --json "$OUT/rounds_light.json" > "$OUT/rounds_light.log" 2>&1
 echo "rounds light rc=$?"; grep -E "^variant|^\| (treecompile|draft|c )" "$OUT/rounds_light.log" | cut -c1-110
 timeout 130 python3 -m $R --json "$OUT/rounds_default2.json" > "$OUT/rounds_default2.log" 2>&1
 echo "rounds default again rc=$?"; grep -E "^\| (treecompile|draft|c )" "$OUT/rounds_default2.log" | cut -c1-110

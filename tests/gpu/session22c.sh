@@ -10,6 +10,6 @@ E="treecompile.bench e2e --model smollm2 --prompts 12 --max-new-tokens 256 --ind
 timeout 260 python3 -m $E --trees 8,6,64 --configs hf_compile,tc_plain,tc_tree \
   --json "$OUT/e2e_b1.json" > "$OUT/e2e_b1.log" 2>&1
 echo "e2e b1 rc=$?"; grep -E "^\| 1" "$OUT/e2e_b1.log" | tail -4
-TREECOMPILE_CASCADE=fused_merge=1 TREECOMPILE_TOPK_FUSED_MERGE=1 TREECOMPILE_DRAFT_FOLD=1 TREECOMPILE_COMPILED_COMMIT=1 timeout 220 \
+TREECOMPILE_TOPK_FUSED_MERGE=1 TREECOMPILE_DRAFT_FOLD=1 TREECOMPILE_COMPILED_COMMIT=1 timeout 220 \
   python3 -m $E --trees 8,6,64 --configs tc_plain,tc_tree --json "$OUT/e2e_b1_fused.json" > "$OUT/e2e_b1_fused.log" 2>&1
 echo "e2e b1 fused rc=$?"; grep -E "^\| 1" "$OUT/e2e_b1_fused.log" | tail -3
