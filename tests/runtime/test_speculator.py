@@ -192,19 +192,25 @@ def test_one_node_tree_is_plain_decoding(llama):
     assert torch.equal(out.sequences, hf_greedy(llama, ids, max_new_tokens=6))
 
 
-def test_inductor_compiled_target_and_draft_hooks_match_hf():
-    """inductor=True compiles the rewritten target and the drafter's round hooks (DraftHooks); the float32
-    output still equals HF greedy and the compiled hooks really ran (Dynamo compiled a frame for each)."""
+def test_inductor_compiled_target_and_draft_hooks_match_hf(monkeypatch):
+    """inductor=True compiles the rewritten target, the drafter's round hooks (DraftHooks) and the commit
+    (``TREECOMPILE_COMPILED_COMMIT=0`` keeps that one eager); the float32 output still equals HF greedy and the
+    compiled hooks really ran (Dynamo compiled a frame for each)."""
     import torch._dynamo.utils as dynamo_utils
+
+    from treecompile.speculator import _commit_tokens
 
     model = tiny_llama(dtype=torch.float32)
     drafter = EagleDrafter.for_target(model, seed=1)
-    spec = TreeSpeculator(model, drafter, topk=2, steps=3, num_nodes=6, max_batch_size=1, max_seq_len=64,
-                          page_size=8, inductor=True)  # fmt: skip
-    assert spec.draft_hooks.inductor
+    kw = dict(topk=2, steps=3, num_nodes=6, max_batch_size=1, max_seq_len=64, page_size=8, inductor=True)
+    monkeypatch.setenv("TREECOMPILE_COMPILED_COMMIT", "0")
+    assert TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), **kw)._commit_fn is _commit_tokens
+    monkeypatch.delenv("TREECOMPILE_COMPILED_COMMIT")
+    spec = TreeSpeculator(model, drafter, **kw)
+    assert spec.draft_hooks.inductor and spec._commit_fn is not _commit_tokens
     frames = dynamo_utils.counters["stats"]["unique_graphs"]
     ids = torch.randint(3, 64, (1, 7), generator=torch.Generator().manual_seed(5))
     got = spec.generate(ids, max_new_tokens=10, eos_token_id=None).sequences
     assert torch.equal(got, hf_greedy(model, ids, max_new_tokens=10))
-    # target (prefill / verify shape) + step 0 + lanes + scoring at two shapes
-    assert dynamo_utils.counters["stats"]["unique_graphs"] - frames >= 4
+    # target (prefill / verify shape) + step 0 + lanes + scoring at two shapes + the commit
+    assert dynamo_utils.counters["stats"]["unique_graphs"] - frames >= 5
