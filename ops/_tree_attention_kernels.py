@@ -163,7 +163,15 @@ def choose_config(
     # 16 splits, 8.9 / 9.5 -> 4.2 / 4.4 us). With 33 splits (N <= 16) one warp loses (N=1: 8.6 -> 9.5 us a
     # layer with stage 1), so those keep four. Several rows a program gained nothing that one warp did not
     # (notes/gpu-2026-12-01-s13/cascade_ab.json).
-    merge_warps = 1 if triton.next_power_of_2(num_splits + 1) * D <= 4096 else 4
+    # Where a row's states are small (<= 1024 values, 32 a lane) and rows are many, eight rows on eight warps
+    # (a warp a row, 8x fewer programs) beat one row a program: H200, 8B verify P=2k N=64 (7 splits, 2048
+    # rows), per layer 15.56 -> 14.91 us (fifteenth session) and 15.64 -> 14.97 (sixteenth; merge kernel 3.39
+    # -> 2.51 us). At 8 splits (2048 values a row) it lost, 20.18 -> 20.78 (thirteenth), so the bound is tight.
+    row_values = triton.next_power_of_2(num_splits + 1) * D
+    merge_warps = 1 if row_values <= 4096 else 4
+    merge_rows = 1
+    if row_values <= 1024 and B * R * Hq >= 1024:  # the merge grid's rows
+        merge_rows = merge_warps = 8
     cfg = dict(
         block_m=block_m,
         block_n=block_n,
@@ -172,6 +180,7 @@ def choose_config(
         num_splits=num_splits,
         min_chunk=min_chunk,
         merge_warps=merge_warps,
+        merge_rows=merge_rows,
         pdl=pdl_enabled(device),
     )
     cfg.update(_env_overrides())

@@ -257,6 +257,28 @@ def test_tma_needs_whole_tiles_in_a_page_and_a_box_layout():
     assert not kern._tma_layout_ok(cache.transpose(1, 2), cache.transpose(1, 2), 16, 16)
 
 
+def test_merge_takes_eight_rows_a_program_only_where_rows_are_many_and_states_small(monkeypatch):
+    """The merge's shape rule (H200-measured at the 8B verify): eight rows on eight warps where a row's states
+    are <= 1024 values and the grid has >= 1024 rows; one warp a row where states are <= 4096 values; four
+    warps above that. The decode's 32 rows keep one row a program."""
+    from treecompile.ops import _tree_attention_kernels as kern
+
+    monkeypatch.delenv(kern.CASCADE_ENV, raising=False)
+    cpu = torch.device("cpu")
+
+    def merge(B, R, splits, D=128):  # a capacity that holds every split asked for
+        cfg = kern.choose_config(B, R, 32, 8, D, 1 << 16, cpu, num_splits=splits)
+        return cfg.merge_rows, cfg.merge_warps
+
+    assert merge(1, 64, 7) == (8, 8)  # 8B verify at 2k: 8 states x 128 = 1024 values, 2048 rows
+    assert merge(1, 64, 8) == (1, 1)  # 16 x 128 = 2048 values: one warp a row (8x8 measured slower)
+    assert merge(1, 64, 31) == (1, 1)  # 32 x 128 = 4096 values, still one warp
+    assert merge(1, 64, 32) == (1, 4)  # 64 x 128 > 4096: four warps
+    assert merge(1, 16, 7) == (1, 1)  # 512 rows: too few for eight a program
+    assert merge(1, 1, 7) == (1, 1)  # decode
+    assert merge(16, 4, 3) == (8, 8)
+
+
 def test_cascade_env_overrides(monkeypatch):
     """TREECOMPILE_CASCADE sets config fields for A/B runs; anything else is refused by name."""
     from treecompile.ops import _tree_attention_kernels as kern
@@ -656,7 +678,12 @@ def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
         assert cfg.num_splits == (7 if N == 64 else 32)
     assert cfg.tma  # full tiles through TMA wherever the device and layout allow (checked at launch)
     states = 1 << cfg.num_splits.bit_length()  # next power of two of num_splits + 1
-    assert cfg.merge_warps == (1 if states * D <= 4096 else 4)  # a row's states in one warp's registers
+    if states * D <= 1024 and B * N * Hq >= 1024:  # small states, many rows: a warp a row, eight a program
+        assert (cfg.merge_rows, cfg.merge_warps) == (8, 8)
+    else:  # a row's states in one warp's registers, else four warps
+        assert (cfg.merge_rows, cfg.merge_warps) == (1, 1 if states * D <= 4096 else 4)
+    if (B, N, capacity) == (1, 64, 2176):  # 8B verify at 2k: 7 splits, 8 x 128 values a row
+        assert (cfg.merge_rows, cfg.merge_warps) == (8, 8)
     if (B, N, capacity) in ((1, 64, 65600), (1, 64, 4160)):  # 8B verify: 16 / 8 splits, one-warp merges
         assert cfg.merge_warps == 1
     if (B, N, capacity) == (1, 1, 65600):  # 8B decode: 33 splits, four warps (one lost 1 us a layer)
