@@ -1,10 +1,14 @@
 """Held-out acceptance of candidate SmolLM2 draft heads (device-machine helper, not a test module).
 
     python tests/gpu/head_tau.py HEAD_DIR [HEAD_DIR ...] [--prompts 12] [--max-new-tokens 128] [--json PATH]
+        [--tree K,S,N ...] [--device cpu]
 
-For each head: TreeSpeculator over SmolLM2 (bf16, CUDA graphs of eager kernels, no Inductor: only tau is
-wanted here) on the first ``--prompts`` held-out prompts taken round-robin over the categories, tree
-(4, 6, 32); prints tau (tokens per round, bonus included) per head and the best head's directory last.
+For each head and tree: TreeSpeculator over SmolLM2 (bf16 on CUDA with graphs of eager kernels, no Inductor:
+only tau is wanted here; float32 on the CPU) on the first ``--prompts`` held-out prompts taken round-robin over
+the categories, tree (4, 6, 32) unless ``--tree`` is given (repeatable: one sweep of tree shapes loads the
+target once); prints tau (tokens per round, bonus included) per head and tree, the best head's directory last.
+tau depends on the head, the target and the tree, not on the machine (up to bf16 / float32 rounding), so the
+CPU can rank tree shapes ahead of a GPU session.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ def main() -> int:
     p.add_argument("heads", nargs="+")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--tree", default="4,6,32")
+    p.add_argument("--tree", action="append", default=None, help="K,S,N (repeatable; default 4,6,32)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
@@ -33,15 +38,17 @@ def main() -> int:
     from treecompile.speculator import TreeSpeculator
     from treecompile.train import chat_ids
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     model, tok = load_smollm2(dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
     by_cat = [heldout_prompts(c) for c in CATEGORIES]
     texts = [by_cat[i % len(by_cat)][i // len(by_cat)] for i in range(args.prompts)]
     ids = [torch.tensor([chat_ids(tok, t)], device=dev) for t in texts]
     eos = model.generation_config.eos_token_id
-    K, S, N = (int(x) for x in args.tree.split(","))
+    trees = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["4,6,32"])]
     results = {}
-    for head in args.heads:
+    for head, (K, S, N) in [(h, t) for h in args.heads for t in trees]:
         t0 = time.perf_counter()
         drafter = EagleDrafter.from_pretrained(head, model)
         spec = TreeSpeculator(model, drafter, topk=K, steps=S, num_nodes=N, max_batch_size=1, max_seq_len=1024,
@@ -53,15 +60,19 @@ def main() -> int:
             alen = alen[alen > 0]
             accepted += int(alen.sum())
             rounds += int(alen.numel())
-        results[head] = {"tau": accepted / max(rounds, 1), "rounds": rounds, "seconds": time.perf_counter() - t0}
-        print(f"head {head}: tau {results[head]['tau']:.3f} over {rounds} rounds "
-              f"({results[head]['seconds']:.0f} s)", flush=True)
+        key = head if len(trees) == 1 else f"{head}@{K},{S},{N}"
+        results[key] = {"tau": accepted / max(rounds, 1), "rounds": rounds, "seconds": time.perf_counter() - t0,
+                        "tree": [K, S, N]}
+        print(f"head {head} tree ({K}, {S}, {N}): tau {results[key]['tau']:.3f} over {rounds} rounds "
+              f"({results[key]['seconds']:.0f} s)", flush=True)
         del spec, drafter
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     best = max(results, key=lambda h: results[h]["tau"])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "best": best, "tree": [K, S, N], "prompts": args.prompts}, f, indent=1)
+            json.dump({"results": results, "best": best, "trees": trees, "prompts": args.prompts,
+                       "max_new_tokens": args.max_new_tokens, "device": str(dev)}, f, indent=1)
     print(best)
     return 0
 

