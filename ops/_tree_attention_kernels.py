@@ -15,17 +15,17 @@ Stage 1, ``cascade_partial_kernel``, grid ``(B * Hkv * NRB, NS + 1)``:
   Each writes a partial output (normalised) and its base-2 log-sum-exp into the workspace.
 Stage 2, ``cascade_merge_kernel``, grid ``(cdiv(B * R * Hq, merge_rows),)``: combines the NS + 1 partial states
   of each of its rows by log-sum-exp, guarding empty states (all ``-inf``: the row sees nothing -> zeros).
-  With ``fused_merge`` there is no stage 2: each stage-1 program bumps its row block's arrival counter and the
-  last of the NS + 1 to arrive merges the block (``_merge_row_block``, the same sums), saving a launch; the
-  counters live in one table per device that every launch leaves zeroed (``_common.counter_table``). Off by
-  default until timed on the GPU.
+  A merge by stage 1's last-arriving program of a row block instead (an arrival counter, as split-K GEMMs do)
+  was built and timed in the fifteenth / sixteenth sessions and removed: one program walking NS + 1 states
+  after the others is a serial tail longer than the launch it saves (H200, 8B shapes, per layer: verify P=2k
+  N=64 15.64 -> 26.66 us, decode 7.19 -> 14.65; BENCHMARKS.md, sixteenth session).
 
 Full prefix tiles come through Hopper TMA descriptors where the device and the cache layout allow (the cache
 viewed as ``[num_slots, Hkv * D]``, one box per tile: a tile never crosses a page; H200, 8B shapes, stage 1 at
 64k N=64 188 -> 163 us a layer); elsewhere, and for the masked tail tile, through pointer gathers. Tuning
 fields (``CascadeConfig``, or ``TREECOMPILE_CASCADE`` for a whole run): ``tma``, ``merge_rows`` (several rows a
 merge program), ``merge_warps``, ``l2_prefetch`` (a split's first tiles hinted into L2 before the dependency wait;
-measured slower on the H200 at every count, off), ``fused_merge``; every variant computes the same sums.
+measured slower on the H200 at every count, off); every variant computes the same sums.
 
 Ideas from SGLang's triton_ops/decode_attention.py (split-K stage 1 / stage 2 with a fixed split count),
 flashinfer's cascade merge_state (base-2 LSE, empty-state guards) and SGLang's target_verify (prefix pass,
@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _capability, check_l2_prefetch, counter_table, pdl_enabled, prefetch_l2, triton_interpret
+from ._common import _capability, check_l2_prefetch, pdl_enabled, prefetch_l2, triton_interpret
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,6 @@ class CascadeConfig:
     tma: bool = True  # full prefix tiles through Hopper TMA descriptors (when the device and layout allow)
     pdl: bool = False  # both kernels as programmatic dependent launches (_common.pdl_enabled)
     l2_prefetch: int = 0  # first prefix tiles of a split hinted into L2 before anything waits (0: off)
-    fused_merge: bool = False  # the last stage-1 program of a row block merges it: no merge launch (off: untimed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,7 +208,7 @@ def _env_overrides() -> dict:
             number = int(value)
         except ValueError:
             raise ValueError(f"{CASCADE_ENV}: {key} must be an integer, got {value!r}") from None
-        out[key] = bool(number) if key in ("tma", "fused_merge") else number
+        out[key] = bool(number) if key == "tma" else number
     return out
 
 
@@ -253,12 +252,8 @@ def launch_cascade(
         k_desc, v_desc = (_tile_descriptor(c, cfg.block_n) for c in (k_cache, v_cache))
     else:  # unused (TMA=False)
         k_desc, v_desc = k_cache, v_cache
-    groups = B * Hkv * nrb  # (request, KV head, row block): the programs of one row block across the splits
-    fused = cfg.fused_merge and groups <= MERGE_GROUPS
-    counters = counter_table("tree attention fused merge", q.device, MERGE_GROUPS) if fused else prefix_len
-    block_s = triton.next_power_of_2(NS + 1)
-    cascade_partial_kernel[(groups, NS + 1)](
-        q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part, k_desc, v_desc, out, counters,
+    cascade_partial_kernel[(B * Hkv * nrb, NS + 1)](
+        q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part, k_desc, v_desc,
         k_new, v_new, new_slots, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         new_slots.stride(0), num_slots, window_offset,
         q.stride(0), q.stride(1), q.stride(2),
@@ -269,12 +264,9 @@ def launch_cascade(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
         MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None, TMA=tma, USE_PDL=pdl,
         L2_PREFETCH=l2_prefetch, L2_LINES=max(1, D * k_cache.element_size() // 128),
-        L2_LINE_ELEMS=128 // k_cache.element_size(), FUSED_MERGE=fused, BLOCK_S=block_s,
-        MERGE_CHUNK=max(1, min(block_s, MERGE_VALUES // (cfg.block_m * D))),
+        L2_LINE_ELEMS=128 // k_cache.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )  # fmt: skip
-    if fused:
-        return out
     rows = B * R * Hq
     mr = cfg.merge_rows
     cascade_merge_kernel[(triton.cdiv(rows, mr),)](
@@ -285,10 +277,6 @@ def launch_cascade(
     return out
 
 
-MERGE_GROUPS = 1 << 16  # row blocks a fused-merge launch may count (the counter table's size)
-# fp32 partial values a fused merge loads at once ([BLOCK_M, MERGE_CHUNK, D]): 32 a thread on 4 warps. ptxas
-# (sm_90, CPU machine): 8192 made the 8B verify's 64-row tile spill 840 B and the decode tile 251 registers.
-MERGE_VALUES = 4096
 
 
 def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:
@@ -325,7 +313,7 @@ def _tile_descriptor(cache: torch.Tensor, block_n: int):
 
 @triton.jit
 def cascade_partial_kernel(
-    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part, k_desc, v_desc, out, counters,
+    q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, o_part, lse_part, k_desc, v_desc,
     k_new, v_new, new_slots, s_kn, s_knh, s_vn, s_vnh, s_ns, num_slots, new_off,
     s_qb, s_qr, s_qh,
     s_kc, s_kh, s_vc, s_vh,
@@ -335,7 +323,6 @@ def cascade_partial_kernel(
     NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr, TMA: tl.constexpr,
     USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr, L2_LINES: tl.constexpr, L2_LINE_ELEMS: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):  # fmt: skip
     if L2_PREFETCH > 0:
         # Before the dependency wait (under PDL the previous kernel may still run): hint this split's first
@@ -440,61 +427,6 @@ def cascade_partial_kernel(
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_ptrs = o_part + (row[:, None] * (NS + 1) + split) * D + d[None, :]
     tl.store(o_ptrs, o, mask=(row_ok & ~empty)[:, None])
-    if FUSED_MERGE:
-        # The last of the row block's NS + 1 programs to arrive merges its rows (no merge launch). The barrier
-        # orders every thread's partial stores before the counter's release (gpu scope); the winner's acquire
-        # makes them visible, and it reads them through L2 (.cg). It then zeroes the counter for the next
-        # launch (the idea of split-K's semaphore, as in skinny_linear's _split_k_store).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == NS:
-            _merge_row_block(o_part, lse_part, out, row, row_ok, NS, D, BLOCK_M, BLOCK_S, MERGE_CHUNK)
-            tl.atomic_xchg(counters + pid, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_row_block(
-    o_part, lse_part, out, row, row_ok, NS,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
-    """The merge of ``cascade_merge_kernel`` for a stage-1 program's [BLOCK_M] flat rows: the NS + 1 base-2 LSEs
-    at once for the max and the denominator, then the partial outputs CHUNK states at a time ([BLOCK_M,
-    CHUNK, D] loads; [BLOCK_M, D] when CHUNK is 1). Empty states (LSE -inf) are never loaded (their rows were
-    not written). Not shared with the merge kernel on purpose: that one issues the LSE and partial loads at
-    once (one L2 round trip, the H200-timed form) and holds all NS + 1 states, which a stage-1 program's
-    registers cannot."""
-    s = tl.arange(0, BLOCK_S)
-    lse = tl.load(
-        lse_part + row[:, None] * (NS + 1) + s[None, :], mask=row_ok[:, None] & (s < NS + 1)[None, :],
-        other=float("-inf"), cache_modifier=".cg",
-    )  # fmt: skip
-    mx = tl.max(lse, 1)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    denom = tl.sum(tl.exp2(lse - mx[:, None]), 1)
-    d = tl.arange(0, D)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    if CHUNK == 1:  # big row blocks (64 x 128): one [BLOCK_M, D] state at a time keeps it out of spills
-        for si in range(0, NS + 1):
-            state = row * (NS + 1) + si
-            lc = tl.load(lse_part + state, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-            live = lc > float("-inf")
-            w = tl.where(live, tl.exp2(lc - mx), 0.0)
-            oc = tl.load(o_part + state[:, None] * D + d[None, :], mask=live[:, None], other=0.0, cache_modifier=".cg")
-            acc += w[:, None] * oc
-    else:
-        c = tl.arange(0, CHUNK)
-        for s0 in range(0, NS + 1, CHUNK):
-            sc = s0 + c
-            state = row[:, None] * (NS + 1) + sc[None, :]
-            lc = tl.load(lse_part + state, mask=row_ok[:, None] & (sc < NS + 1)[None, :], other=float("-inf"),
-                         cache_modifier=".cg")  # fmt: skip
-            live = lc > float("-inf")
-            w = tl.where(live, tl.exp2(lc - mx[:, None]), 0.0)
-            oc = tl.load(o_part + state[:, :, None] * D + d[None, None, :], mask=live[:, :, None], other=0.0,
-                         cache_modifier=".cg")  # fmt: skip
-            acc += tl.sum(w[:, :, None] * oc, 1)
-    res = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(out + row[:, None] * D + d[None, :], res.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit

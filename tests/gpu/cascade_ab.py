@@ -75,10 +75,6 @@ def main() -> None:
         # L2 hints of each split's first tiles before the dependency wait (fourteenth session's l2_prefetch)
         for tiles in (1, 2, 4, 8):
             variants[f"l2pf{tiles}"] = choose_config(1, N, HQ, HKV, D, cap, dev, None, l2_prefetch=tiles)
-        # The merge inside stage 1 (the row block's last program merges it: one launch, fifteenth session)
-        variants["fused"] = choose_config(1, N, HQ, HKV, D, cap, dev, None, fused_merge=True)
-        if ns > 1:
-            variants[f"fused+splits{ns - 1}"] = choose_config(1, N, HQ, HKV, D, cap, dev, ns - 1, fused_merge=True)
         timed = {}
         for name, cfg in variants.items():
             try:
@@ -112,7 +108,7 @@ def main() -> None:
         best = min(ok, key=lambda n: ok[n][0])
         bc = ok[best][2]
         env = (f"tma={int(bc.tma)},merge_rows={bc.merge_rows},merge_warps={bc.merge_warps},"
-               f"l2_prefetch={bc.l2_prefetch},fused_merge={int(bc.fused_merge)}")
+               f"l2_prefetch={bc.l2_prefetch}")
         split = {"default": kernel_split(point, base_cfg), best: kernel_split(point, bc)}
         print(f"P={P} N={N} L={L}: default {timed['default'][0] * 1e3:.2f} us, best {best} "
               f"{ok[best][0] * 1e3:.2f} us -> TREECOMPILE_CASCADE={env}; kernels (us/call): {split} "

@@ -12,7 +12,7 @@ into one launch).
 more than 128 query rows a KV head (verify N=64 at GQA 4: 256), e.g. ``num_splits=6`` for the verify while
 the decode and draft lanes keep their own choice (``TREECOMPILE_CASCADE`` would set every launch).
 ``--cascade-light FIELD=INT,...``: the same for the other launches (decode, draft lanes, small verifies), e.g.
-``fused_merge=1``.
+``merge_rows=1,merge_warps=1``.
 TARGET is a module run as ``python -m`` would (``treecompile.bench``) or a script path (``tests/gpu/x.py``).
 """
 
@@ -44,7 +44,7 @@ def cascade_fields(spec: str, heavy: bool) -> None:
     for item in spec.split(","):
         key, _, value = item.partition("=")
         key = key.strip()
-        fields[key] = bool(int(value)) if key in ("tma", "fused_merge") else int(value)
+        fields[key] = bool(int(value)) if key == "tma" else int(value)
     base = kernels.choose_config
 
     def choose(B, R, Hq, Hkv, D, capacity, device, num_splits=None, itemsize=2, **override):

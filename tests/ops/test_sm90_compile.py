@@ -27,7 +27,7 @@ ASYNC_COPY = re.compile(r"async_copy_global_to_local|async_tma_copy_global_to_lo
 
 CASCADE_TYPES = dict(
     q="*bf16", k_cache="*bf16", v_cache="*bf16", page_table="*i32", prefix_len="*i64", ancestor_mask="*i64",
-    o_part="*fp32", lse_part="*fp32", k_desc="*bf16", v_desc="*bf16", out="*bf16", counters="*i32", k_new="*bf16", v_new="*bf16",
+    o_part="*fp32", lse_part="*fp32", k_desc="*bf16", v_desc="*bf16", k_new="*bf16", v_new="*bf16",
     new_slots="*i64", qk_scale="fp32",
 )  # fmt: skip
 CASCADE_SCALARS = ("R", "NS", "num_slots", "max_pages", "num_pages")  # any value: no divisibility
@@ -44,18 +44,9 @@ def _cases() -> dict:
                 types["k_desc"] = types["v_desc"] = "tensordesc<bf16[64,128]>"
             const = dict(HKV=8, G=4, PAGE=64, WINDOW=64, NRB=4, D=128, BLOCK_M=64, BLOCK_N=64, BLOCK_W=64,
                          MIN_CHUNK=256, PREC="tf32", NEW_ROWS=new_rows, TMA=tma, USE_PDL=pdl, L2_PREFETCH=l2,
-                         L2_LINES=2, L2_LINE_ELEMS=64, FUSED_MERGE=False, BLOCK_S=8, MERGE_CHUNK=2)  # fmt: skip
+                         L2_LINES=2, L2_LINE_ELEMS=64)  # fmt: skip
             name = f"stage1-{'tma' if tma else 'pointers'}-{'write+pdl' if pdl else 'plain'}{'-l2' if l2 else ''}"
             cases[name] = ("_tree_attention_kernels", "cascade_partial_kernel", const, types, CASCADE_SCALARS, 4, 3)
-    # The fused merge at the 8B decode (16-row tile, 32 splits) and verify (64 rows, 7 splits) configs.
-    for name, block_m, nrb, block_s, chunk in (("decode", 16, 1, 64, 2), ("verify", 64, 4, 8, 1)):
-        types = dict(CASCADE_TYPES, k_desc="tensordesc<bf16[64,128]>", v_desc="tensordesc<bf16[64,128]>")
-        const = dict(HKV=8, G=4, PAGE=64, WINDOW=64, NRB=nrb, D=128, BLOCK_M=block_m, BLOCK_N=64, BLOCK_W=64,
-                     MIN_CHUNK=64, PREC="tf32", NEW_ROWS=True, TMA=True, USE_PDL=True, L2_PREFETCH=0, L2_LINES=2,
-                     L2_LINE_ELEMS=64, FUSED_MERGE=True, BLOCK_S=block_s, MERGE_CHUNK=chunk)  # fmt: skip
-        cases[f"stage1-fused-merge-{name}"] = (
-            "_tree_attention_kernels", "cascade_partial_kernel", const, types, CASCADE_SCALARS, 4, 3,
-        )  # fmt: skip
     for rows, pdl in ((1, True), (4, False)):
         cases[f"merge-rows{rows}"] = (
             "_tree_attention_kernels", "cascade_merge_kernel", dict(D=128, BLOCK_S=16, ROWS=rows, USE_PDL=pdl),
@@ -163,17 +154,6 @@ def test_l2_prefetch_hints_come_before_the_dependency_wait(report, name):
     entry = _entry(report, name)
     assert entry["l2_hints"] > 0 and entry["hints_before_wait"]
     assert _entry(report, name[: -len("-l2")])["l2_hints"] == 0
-
-
-@pytest.mark.parametrize("shape", ["decode", "verify"])
-def test_cascade_fused_merge_compiles_with_its_counter(report, shape):
-    """``fused_merge``: stage 1 with the arrival counter's atomics (acq_rel, gpu scope: the add, and the
-    exchange that zeroes it) and the .cg reloads of the partials compiles for sm_90, the prefix loop still
-    pipelined; without it, stage 1 has no atomic."""
-    entry = _entry(report, f"stage1-fused-merge-{shape}")
-    assert entry["atomics"] >= 2 and entry["async_copies"] >= 2
-    assert entry["cg_loads"] > 0
-    assert _entry(report, "stage1-tma-write+pdl")["atomics"] == 0
 
 
 def test_draft_topk_fused_merge_compiles_with_its_counter(report):

@@ -166,8 +166,6 @@ VARIANTS = [  # CascadeConfig fields a tuning run may set: TMA tiles (the defaul
     dict(tma=True, merge_rows=4, num_splits=3),
     dict(l2_prefetch=4),  # L2 hints before the dependency wait: GPU only (the interpreter has no inline PTX)
     dict(tma=False, l2_prefetch=2, num_splits=3),
-    dict(fused_merge=True),  # the last stage-1 program of a row block merges it (no merge launch)
-    dict(fused_merge=True, tma=False, num_splits=5),
 ]
 
 
@@ -198,46 +196,6 @@ def test_kernel_config_variants_match_reference(variant, N, prefix, kernel_devic
     got = kern.launch_cascade(q, kc, vc, pt, pl, mask, page_size, N, 0.1, config=cfg)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-4, atol=2e-4)
-
-
-@pytest.mark.parametrize(
-    "B,N,Hq,Hkv,prefix,num_splits,block_m",
-    [(1, 1, 8, 2, [300], 9, None), (2, 5, 6, 3, [0, 77], 4, None), (2, 16, 4, 1, [129, 0], 3, 16),
-     (1, 64, 2, 1, [40], 2, 32), (1, 32, 4, 2, [70], 3, 64)],
-    ids=["decode-9-splits", "empty-prefix", "two-row-blocks", "verify-64", "one-state-at-a-time"],
-)  # fmt: skip
-def test_fused_merge_equals_the_merge_launch(B, N, Hq, Hkv, prefix, num_splits, block_m, kernel_device):
-    """``fused_merge``: the row block's last stage-1 program merges (chunks of partial states, splits past
-    the prefix empty, rows that see no key at all -> zeros, several row blocks a KV head). Against the
-    float64 reference and the two-launch cascade; a second launch gives the same bits and each leaves the
-    counter table zeroed. Output poisoned with NaN first, so an unmerged row fails."""
-    from treecompile.ops import _tree_attention_kernels as kern
-    from treecompile.ops._common import counter_table
-
-    gen = torch.Generator().manual_seed(N * 7 + B)
-    D, page_size = 64, 16
-    max_pages = -(-(max(prefix) + N) // page_size) + 1
-    q, kc, vc, pt, pl, mask = make_paged(B, N, Hq, Hkv, D, page_size, max_pages, prefix, N, torch.float32, gen)
-    mask[:, 0] = 0  # row 0 sees only the prefix (nothing at all where the prefix is empty)
-    want = tree_attention_paged_reference(q.double(), kc.double(), vc.double(), pt, pl, mask, page_size, N, 0.1)
-    d = kernel_device
-    q, kc, vc, pt, pl, mask = (t.to(d) for t in (q, kc, vc, pt, pl, mask))
-    tiles = dict(block_n=16, num_stages=2) | ({"block_m": block_m} if block_m else {})
-    plain = kern.choose_config(B, N, Hq, Hkv, D, max_pages * page_size, q.device, num_splits, itemsize=4, **tiles)
-    fused = dataclasses.replace(plain, fused_merge=True)
-    assert plain.num_splits == num_splits
-    ref = kern.launch_cascade(q, kc, vc, pt, pl, mask, page_size, N, 0.1, config=plain)
-    outs = []
-    for _ in range(2):
-        got = kern.launch_cascade(q, kc, vc, pt, pl, mask, page_size, N, 0.1, config=fused)
-        assert int(counter_table("tree attention fused merge", q.device, 1).abs().sum()) == 0
-        outs.append(got)
-    assert torch.isfinite(outs[0]).all()
-    torch.testing.assert_close(outs[0].cpu().double(), want, rtol=2e-4, atol=2e-4)
-    torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(outs[0], outs[1])
-    if prefix[-1] == 0:
-        assert torch.equal(outs[0][-1, 0].cpu(), torch.zeros_like(outs[0][-1, 0].cpu()))
 
 
 def test_tma_needs_whole_tiles_in_a_page_and_a_box_layout():
@@ -287,8 +245,6 @@ def test_cascade_env_overrides(monkeypatch):
     cfg = kern.choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"))
     assert (cfg.tma, cfg.merge_rows, cfg.merge_warps) == (True, 4, 2)
     assert kern.choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"), merge_rows=2).merge_rows == 2
-    monkeypatch.setenv(kern.CASCADE_ENV, "fused_merge=1")
-    assert kern.choose_config(1, 1, 8, 2, 64, 1024, torch.device("cpu")).fused_merge is True
     for bad, word in (("tma", "FIELD=INT"), ("speed=3", "FIELD=INT"), ("pdl=1", "FIELD=INT"), ("merge_rows=x", "integer")):
         monkeypatch.setenv(kern.CASCADE_ENV, bad)
         with pytest.raises(ValueError, match=word):
@@ -566,18 +522,15 @@ def test_gpu_cuda_graph_replay_with_new_masks_and_prefixes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cascade", ["", "fused_merge=1"], ids=["merge-launch", "fused-merge"])
 @pytest.mark.parametrize("N,prefix", [(1, [2000, 5]), (64, [3000, 1])], ids=["decode", "verify"])
-def test_gpu_dependent_launch_waits_for_the_kernel_before_it(monkeypatch, N, prefix, cascade):
+def test_gpu_dependent_launch_waits_for_the_kernel_before_it(monkeypatch, N, prefix):
     """TREECOMPILE_PDL=1: both cascade kernels as programmatic dependent launches, in a CUDA graph right after
     a kernel that writes q. Stage 1 must wait before it reads q (else stale rows) and the merge before it
-    reads the partials; replayed with new queries, every row matches the float64 reference. With
-    ``fused_merge`` the arrival counters must come back to zero for every replay (else a later replay's
-    winner never merges and its rows keep the NaN written before it)."""
+    reads the partials; replayed with new queries, every row matches the float64 reference."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
     monkeypatch.setenv("TREECOMPILE_PDL", "1")
-    monkeypatch.setenv("TREECOMPILE_CASCADE", cascade)
+    monkeypatch.delenv("TREECOMPILE_CASCADE", raising=False)
     gen = torch.Generator().manual_seed(N)
     B, Hq, Hkv, D, page_size = 2, 32, 8, 128, 64
     q, kc, vc, pt, pl, _ = make_paged(B, N, Hq, Hkv, D, page_size, 50, prefix, N, torch.bfloat16, gen)

@@ -105,8 +105,7 @@ def test_fp16_and_an_out_of_range_slot_is_skipped(kernel_device):
 
 
 @pytest.mark.parametrize("step", [1, 2, 3])
-@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge-launch", "fused-merge"])
-def test_a_lane_step_writes_its_columns_and_reads_the_earlier_ones(step, fused_merge, kernel_device):
+def test_a_lane_step_writes_its_columns_and_reads_the_earlier_ones(step, kernel_device):
     """A draft lane step: K new rows are columns [(step - 1) K, step K) of a (S - 1) K-key lane window
     (``window_offset``). Earlier columns come from the cache (written by earlier steps); the step's own
     columns hold stale poison until the call writes them; later columns are unwritten poison no mask sees.
@@ -131,7 +130,7 @@ def test_a_lane_step_writes_its_columns_and_reads_the_earlier_ones(step, fused_m
     d = kernel_device
     kc_d, vc_d = kc.to(d), vc.to(d)
     cfg = kern.choose_config(B, K, Hq, Hkv, D, 6 * page_size, torch.device(d), None, itemsize=4, block_n=16,
-                             num_stages=2, fused_merge=fused_merge)  # fmt: skip
+                             num_stages=2)  # fmt: skip
     got = kern.launch_cascade(
         q.to(d), kc_d, vc_d, pt.to(d), pl.to(d), masks.to(d), page_size, W, 0.125, config=cfg,
         new_rows=(k.to(d), v.to(d), slots.to(d)), window_offset=off,
