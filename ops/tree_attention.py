@@ -47,7 +47,6 @@ values: key positions are clamped to the page table's capacity and page ids to t
 from __future__ import annotations
 
 import logging
-import weakref
 
 import torch
 
@@ -348,21 +347,21 @@ def tree_attention_paged_reference(
 class _CpuPlan:
     """What the CPU path derives from a forward's metadata alone: the key slots, the visibility mask and
     what can be skipped. Every attention layer of one forward passes the same ``page_table`` / ``prefix_len``
-    / ``ancestor_mask`` tensors (one graph node each), so the rewritten graph's 2nd..Lth layers reuse the
-    plan the 1st built (SmolLM2 shapes, 24 rows, 2 CPU threads: ~0.7 -> ~0.4-0.5 ms a layer, SDPA itself ~0.18).
+    / ``ancestor_mask`` values, so the rewritten graph's 2nd..Lth layers reuse the plan the 1st built (SmolLM2
+    shapes, 24 rows, 2 CPU threads: ~0.7 -> ~0.4-0.5 ms a layer, SDPA itself ~0.18).
 
-    The plan is keyed by the three tensors' identity (weak references: a dead tensor never matches, even if
-    a new one reuses its id) and their version counters (any in-place write, through any view, bumps them),
-    plus the static arguments. A stale plan is therefore impossible short of writes that bypass autograd's
-    version counting (``.data`` / storage aliasing), which treecompile never does to its metadata.
+    The plan is keyed by the three tensors' *values* (copies kept with it; they are a few hundred integers)
+    plus the static arguments. Identity and version counters are not enough: Inductor's generated kernels
+    write through raw pointers, so a buffer it reuses inside one compiled graph can hold a new mask under the
+    same tensor object and version (a whole draft round compiled as one graph drafted from a stale plan).
     """
 
-    __slots__ = ("refs", "key", "slots", "visible", "seen", "all_seen", "rows_see_keys", "run_start", "C")
+    __slots__ = ("values", "key", "slots", "visible", "seen", "all_seen", "rows_see_keys", "run_start", "C")
 
     def matches(self, tensors, key) -> bool:
         if key != self.key:
             return False
-        return all(ref() is t for ref, t in zip(self.refs, tensors))
+        return all(torch.equal(v, t) for v, t in zip(self.values, tensors))
 
 
 _cpu_plan: _CpuPlan | None = None
@@ -371,7 +370,7 @@ _cpu_plan: _CpuPlan | None = None
 def _plan_cpu(page_table, prefix_len, ancestor_mask, page_size, window, num_slots) -> _CpuPlan:
     global _cpu_plan
     tensors = (page_table, prefix_len, ancestor_mask)
-    key = (page_size, window, num_slots, tuple(t._version for t in tensors), tuple(ancestor_mask.shape))
+    key = (page_size, window, num_slots, tuple((t.shape, t.dtype) for t in tensors))
     plan = _cpu_plan
     if plan is not None and plan.matches(tensors, key):
         return plan
@@ -389,7 +388,7 @@ def _plan_cpu(page_table, prefix_len, ancestor_mask, page_size, window, num_slot
     visible = (t[None, None, :] < P[:, :, None]) | (in_window[:, None, :] & (bit != 0))  # [B, R, C]
     seen = visible.any(dim=1)  # [B, C]
     plan = _CpuPlan()
-    plan.refs = tuple(weakref.ref(x) for x in tensors)
+    plan.values = tuple(x.clone() for x in tensors)
     plan.key, plan.C, plan.slots, plan.visible = key, C, slots, visible
     plan.seen = seen[:, :, None, None]
     plan.all_seen = bool(seen.all())

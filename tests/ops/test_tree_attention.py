@@ -656,8 +656,9 @@ def test_split_choice_fills_one_wave(monkeypatch, B, N, Hq, Hkv, D, capacity):
 @pytest.mark.parametrize("B,ordered", [(1, True), (1, False), (2, False)])
 def test_cpu_path_shared_plan_follows_every_metadata_change(B, ordered):
     """The CPU path builds its slots / visibility plan once per forward's metadata tensors and reuses it for
-    every layer: another layer's cache reuses it, while an in-place write to any metadata tensor, or fresh
-    tensors (ids recycled), must rebuild it. Unseen slots hold NaN / inf throughout (float64 reference)."""
+    every layer: another layer's cache reuses it, while an in-place write to any metadata tensor (counted by
+    its version or not), or fresh tensors (ids recycled), must rebuild it. Unseen slots hold NaN / inf
+    throughout (float64 reference)."""
     gen = torch.Generator().manual_seed(21)
     R, Hq, Hkv, D, page_size, max_pages = 7, 4, 2, 16, 8, 6
     prefix = [13, 21][:B]
@@ -698,6 +699,15 @@ def test_cpu_path_shared_plan_follows_every_metadata_change(B, ordered):
     for _ in range(4):  # fresh tensors each time (CPython may recycle the ids of the dead ones)
         m = torch.stack([random_tree_mask(R, gen) for _ in range(B)])
         check(q, kc, vc, pt.clone(), pl.clone(), m)
+    # Writes that bump no version counter, as Inductor's generated kernels make into a buffer it reuses
+    # within one graph (``.data`` shares the storage, not the counter): same objects, same versions.
+    for t, fresh in ((mask, torch.stack([random_tree_mask(R, gen) for _ in range(B)])), (pl, pl - 3)):
+        version = t._version
+        before = op(q, kc, vc, pt, pl, mask, page_size, R, 0.25)
+        t.data.copy_(fresh)
+        assert t._version == version
+        after = check(q, kc, vc, pt, pl, mask)
+        assert not torch.allclose(after, before)
 
 
 def make_slot(pt, b, t, page_size):
