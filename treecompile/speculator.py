@@ -116,6 +116,7 @@ def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 COMPILED_COMMIT_ENV = "TREECOMPILE_COMPILED_COMMIT"
+COMPILED_DRAFT_ENV = "TREECOMPILE_COMPILED_DRAFT"
 
 
 def _commit_tokens(
@@ -351,6 +352,14 @@ class TreeSpeculator:
             # mutated inputs back). H200, SmolLM2 batch 1 (sixteenth session): plain decode 1307.6 -> 1421.2
             # tokens/s, tree (8, 6, 64) 2263.5 -> 2387.3, tokens equal on the GPU tests.
             self._commit_fn = compile_inference(_commit_tokens, f"_commit_tokens_{id(self):x}", fullgraph=True)
+        self._draft_fn = self._draft_round
+        if self.draft_hooks.inductor and os.environ.get(COMPILED_DRAFT_ENV, "").strip() == "1":
+            # The whole draft round as one compiled region: the eager glue between the hooks (positions,
+            # slots, masks, the tree's bookkeeping: 28 of a SmolLM2 (8, 6, 64) round's 170 kernels in the
+            # fourteenth session's table) fuses with them; the hooks' own compiled functions are traced
+            # through. Off by default until the GPU has timed it.
+            compiled = compile_inference(type(self)._draft_round, f"_draft_round_{id(self):x}")
+            self._draft_fn = functools.partial(compiled, self)
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too
             self.tree = DraftTree(topk, steps, num_nodes, inductor=True)
         self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)
@@ -721,7 +730,7 @@ class TreeSpeculator:
             graphs[0].replay()
             graphs[1].replay()
             return
-        self._draft_round(st)
+        self._draft_fn(st)
         self._verify_round(st)
         self._commit(st)
         if self.cuda_graphs:  # after an eager commit: every kernel the capture records has run once
@@ -833,13 +842,13 @@ class TreeSpeculator:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # a second idempotent warm-up on a side stream, as capture wants
-            self._draft_round(st)
+            self._draft_fn(st)
             self._verify_round(st)
         torch.cuda.current_stream().wait_stream(stream)
         pool = torch.cuda.graph_pool_handle()
         draft_graph, verify_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(draft_graph, pool=pool):
-            self._draft_round(st)
+            self._draft_fn(st)
         with torch.cuda.graph(verify_graph, pool=pool):
             self._verify_round(st)
             # The commit is ~30 small kernels: eager, their launches cost more host time than a small

@@ -8,7 +8,8 @@
 #      sixteenth session found the 6th and 7th steps adding ~0.03 tau at N = 64, a sign of weak deep steps);
 # A and B train at once on the same shards (the training loop is host-bound). Then held-out tau of the shipped
 # head, A and B on (8, 6, 64) and (12, 6, 64); the best goes to /tmp/head (watch.sh splits it into $OUT);
-# then SmolLM2 e2e batch 1 with it (plain and the trees (8, 6, 64), (12, 6, 64), (8, 5, 64)).
+# then SmolLM2 e2e batch 1 with it (plain and the trees (8, 6, 64), (12, 6, 64), (8, 5, 64)), and the (8, 6, 64)
+# row once more with the whole draft round compiled as one graph.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 P=${P:-/tmp/pipe}
@@ -53,4 +54,9 @@ timeout 420 python3 -m treecompile.bench e2e --model smollm2 --head /tmp/head --
   --max-new-tokens 256 --inductor --repeats 2 --configs tc_plain,tc_tree --trees "8,6,64;12,6,64;8,5,64" \
   --json "$P/e2e_b1.json" > "$P/e2e_b1.log" 2>&1
 stage "e2e batch 1 rc=$?"
+# The whole draft round as one graph (TREECOMPILE_COMPILED_DRAFT=1, off by default): the tree row again.
+TREECOMPILE_COMPILED_DRAFT=1 timeout 200 python3 -m treecompile.bench e2e --model smollm2 --head /tmp/head \
+  --batch-sizes 1 --prompts 12 --max-new-tokens 256 --inductor --repeats 2 --configs tc_tree --trees "8,6,64" \
+  --json "$P/e2e_b1_draft.json" > "$P/e2e_b1_draft.log" 2>&1
+stage "e2e batch 1 compiled draft rc=$?"
 stage "DONE"

@@ -192,6 +192,44 @@ def test_one_node_tree_is_plain_decoding(llama):
     assert torch.equal(out.sequences, hf_greedy(llama, ids, max_new_tokens=6))
 
 
+@pytest.mark.parametrize("topk", [2, 1], ids=["tree", "chain"])
+def test_compiled_draft_round_matches_hf_without_graph_breaks(monkeypatch, topk):
+    """``TREECOMPILE_COMPILED_DRAFT=1``: the whole draft round compiled as one region (the hooks' compiled
+    functions traced through). Two ragged requests with an EOS inside the text, then a second request on the
+    same speculator, equal HF greedy in float32; the round compiles without a graph break. Lossless output
+    alone would not show the drafts are right (any draft is lossless), so from the state the requests left
+    behind, the compiled round must draft the very tree the per-hook round drafts: tokens, parents, masks."""
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", "1")
+    model = tiny_llama(dtype=torch.float32, seed=2)
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=topk, steps=3, num_nodes=6,
+                          max_batch_size=2, max_seq_len=64, page_size=8, inductor=True)  # fmt: skip
+    assert spec._draft_fn is not spec._draft_round
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (2, 6), generator=gen)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    breaks = sum(dynamo_utils.counters["graph_break"].values())
+    free = hf_greedy(model, ids, mask, 12)[:, ids.shape[1]:]
+    eos = [int(free[1, 4])]
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out.sequences, hf_greedy(model, ids, mask, 12, eos=eos))
+    st = dict(spec._buffers[2], B=2)
+    trees = []
+    for draft in (spec._draft_round, spec._draft_fn):  # per-hook compiled, then whole-round compiled
+        st["tree_tokens"].fill_(-1)
+        draft(st)
+        tree = st["spec"]
+        trees.append([t.clone() for t in (st["tree_tokens"], tree.parents, tree.ancestor_mask, tree.depth)])
+    for got, want in zip(trees[1], trees[0]):
+        assert torch.equal(got, want)
+    assert (trees[0][0] >= 0).all()
+    again = torch.randint(3, VOCAB, (1, 5), generator=gen)
+    got = spec.generate(again, max_new_tokens=9, eos_token_id=None).sequences
+    assert torch.equal(got, hf_greedy(model, again, max_new_tokens=9))
+    assert sum(dynamo_utils.counters["graph_break"].values()) == breaks
+
+
 def test_inductor_compiled_target_and_draft_hooks_match_hf(monkeypatch):
     """inductor=True compiles the rewritten target, the drafter's round hooks (DraftHooks) and the commit
     (``TREECOMPILE_COMPILED_COMMIT=0`` keeps that one eager); the float32 output still equals HF greedy and the

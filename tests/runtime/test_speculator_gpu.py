@@ -338,3 +338,33 @@ def test_fused_merges_and_the_draft_fold_change_no_token(monkeypatch, dtype):
         assert torch.equal(outs[0].sequences, outs[1].sequences)
     else:
         assert (outs[0].sequences[:, new] == outs[1].sequences[:, new]).float().mean().item() >= 0.8
+
+
+@pytest.mark.parametrize("topk", [4, 1], ids=["tree", "chain"])
+def test_compiled_draft_round_drafts_the_per_hook_tree(monkeypatch, topk):
+    """``TREECOMPILE_COMPILED_DRAFT=1`` (off by default): the whole draft round as one Inductor graph. With CUDA
+    graphs the generate stays equal to the per-hook speculator's tokens; from the state the requests left
+    behind, the whole round drafts the per-hook round's tree (tokens, parents, masks) in float32."""
+    model = tiny_llama()
+    ids, mask = ragged()
+    specs, outs = [], []
+    for on in ("0", "1"):
+        monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", on)
+        torch._dynamo.reset()
+        spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=topk, steps=5, num_nodes=24,
+                              max_batch_size=3, max_seq_len=256)  # fmt: skip
+        assert (spec._draft_fn == spec._draft_round) == (on == "0")
+        outs.append(spec.generate(ids, mask, max_new_tokens=40))
+        specs.append(spec)
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert torch.equal(outs[0].accept_lengths, outs[1].accept_lengths)
+    spec = specs[1]
+    st = dict(spec._buffers[3], B=3)
+    trees = []
+    for draft in (spec._draft_round, spec._draft_fn):
+        st["tree_tokens"].fill_(-1)
+        draft(st)
+        torch.cuda.synchronize()
+        trees.append([t.clone() for t in (st["tree_tokens"], st["spec"].parents, st["spec"].ancestor_mask)])
+    for got, want in zip(trees[1], trees[0]):
+        assert torch.equal(got, want)

@@ -394,7 +394,7 @@ class RoundsBench:
         st = spec._new_state(1, [s.ctx], [self.prompt], [], 1)
         t0 = time.time()
         spec._prefill(st, s.ctx)
-        spec._draft_round(st)
+        spec._draft_fn(st)
         spec._verify_round(st)
         self.clock._sync()
         _say(f"speculator topk={topk} steps={spec.steps} N={spec.num_nodes}: prefill {s.ctx} + warm-up round "
@@ -420,7 +420,7 @@ class RoundsBench:
         if not self._attempt(rows, setup):
             return
         spec, st = state["spec"], state["st"]
-        run_verify, run_draft = (lambda: spec._verify_round(st)), (lambda: spec._draft_round(st))
+        run_verify, run_draft = (lambda: spec._verify_round(st)), (lambda: spec._draft_fn(st))
         self._attempt([verify], lambda: self._timed(verify, self.clock.capture(run_verify), eager=run_verify))
         if with_draft:
             self._attempt([draft], lambda: self._timed(draft, self.clock.capture(run_draft), eager=run_draft))
