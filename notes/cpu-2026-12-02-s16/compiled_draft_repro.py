@@ -1,7 +1,7 @@
-# Repro of the compiled-draft-round discrepancy (sixteenth session). Needs compiled_draft_round.patch applied
-# (git apply notes/cpu-2026-12-02-s16/compiled_draft_round.patch); run from /tmp: python compiled_draft_repro.py.
+# The compiled-draft-round check of the sixteenth session (run from /tmp: python compiled_draft_repro.py).
 # Prints the chain (topk=1) tree tokens of five draft rounds from one state: per-hook, per-hook, whole-round,
-# whole-round, per-hook. Request 1 (stopped by EOS) drafts token 35 per hook and 0 whole-round under Inductor.
+# whole-round, per-hook. Before the CPU plan fix (869f00b) request 1, stopped by an EOS, drafted token 35 per
+# hook and 0 whole-round under Inductor; since, all five agree.
 import os, sys, torch
 sys.path.insert(0, "/work/main/tests/runtime")
 os.environ["TREECOMPILE_COMPILED_DRAFT"] = "1"
