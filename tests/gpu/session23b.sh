@@ -10,7 +10,7 @@ bash tests/gpu/smol_setup.sh || exit 3
 [ -f /tmp/models/ready ] || { echo "SmolLM2 not assembled"; exit 3; }
 mkdir -p /tmp/pipe && setsid nohup bash tests/gpu/train23.sh > /tmp/pipe/daemon.log 2>&1 < /dev/null &
 sleep 2
-timeout 280 python3 -m pytest -q -p no:cacheprovider --log-level=WARNING -m gpu tests/runtime tests/models \
+timeout 330 python3 -m pytest -q -p no:cacheprovider --log-level=WARNING -m gpu tests/runtime tests/models \
   > "$OUT/gpu_rt.log" 2>&1
 echo "gpu runtime+models rc=$? $(tail -1 "$OUT/gpu_rt.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_rt.log" | head
-bash tests/gpu/watch.sh 200
+bash tests/gpu/watch.sh 180
