@@ -63,7 +63,7 @@ _COUNTER_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 def counter_table(owner: str, device: torch.device, size: int) -> torch.Tensor:
     """A zeroed ``int32 [size]`` arrival-counter table for ``owner``'s "last program to arrive finishes the
-    job" kernels (split-K sums, the cascade's fused merge), one per (owner, device), allocated once and never
+    job" kernels (split-K sums, the draft top-k's fused merge), one per (owner, device), allocated once and never
     freed or resized: a captured graph keeps its address. Every launch leaves its counters at zero again (the
     last program resets its own), so replays need no memset. Launches of one owner on one stream run one after
     another (a dependent launch waits for the grid before it before it touches the table); the table is not

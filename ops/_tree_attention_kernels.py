@@ -277,8 +277,6 @@ def launch_cascade(
     return out
 
 
-
-
 def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:
     """Whether full prefix tiles can come through TMA descriptors: a tile must lie in one page, and each cache
     must be a 2-D ``[num_slots, Hkv * D]`` box source (heads adjacent, D contiguous, 16-byte aligned base and

@@ -276,9 +276,9 @@ if HAS_TRITON:
             tl.store(cand_value_ptr + cand_off + j, best)
             tl.store(cand_index_ptr + cand_off + j, sel)
         if FUSED_MERGE:
-            # The row's last slice program to arrive merges it (as the cascade's fused merge: the barrier
-            # orders every thread's stores before the counter's release, the winner reads through L2 with
-            # .cg, then zeroes the counter for the next launch).
+            # The row's last slice program to arrive merges it (split-K's semaphore, as in skinny_linear's
+            # _split_k_store): the barrier orders every thread's stores before the counter's release, the
+            # winner reads through L2 with .cg, then zeroes the counter for the next launch.
             tl.debug_barrier()
             arrived = tl.atomic_add(counters + row, 1, sem="acq_rel", scope="gpu")
             if arrived == num_blocks - 1:

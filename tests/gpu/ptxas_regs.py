@@ -7,8 +7,6 @@ PTX and runs Triton's bundled ``ptxas -v`` for sm_90a on it (the PTX ``.version`
 ptxas reads). The CPU machine's Triton is newer than the GPU machine's, so the counts are a guide.
 """
 
-import importlib
-import inspect
 import os
 import re
 import subprocess
@@ -16,8 +14,6 @@ import sys
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ops"))
 import test_sm90_compile as cases_module  # noqa: E402
@@ -26,20 +22,10 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 
 
 def main() -> None:
-    for name, (module, kname, const, types, unaligned, warps, stages) in cases_module._cases().items():
+    for name, case in cases_module._cases().items():
         if not name.startswith(("stage1", "topk")):
             continue
-        kernel = getattr(importlib.import_module(f"treecompile.ops.{module}"), kname)
-        names = list(inspect.signature(kernel.fn).parameters)
-        sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-        attrs = {
-            (i,): [["tt.divisibility", 16]]
-            for i, n in enumerate(names)
-            if sig[n] not in ("constexpr", "fp32") and not sig[n].startswith("tensordesc") and n not in unaligned
-        }
-        src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
-                        attrs=attrs)  # fmt: skip
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        compiled = cases_module.compile_case(*case)
         ptx = re.sub(r"\.version \d+\.\d+", ".version 8.8", compiled.asm["ptx"])
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(ptx)

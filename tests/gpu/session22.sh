@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran in the sixteenth session (notes/gpu-2026-12-02-s16.md); kept as the record. The cascade's fused merge was
+# removed afterwards, so TREECOMPILE_CASCADE=fused_merge=1 below is now refused by name.
 # Next session's plan, first device call (carry .gguf/smol.gguf.part.aa, .gguf/sha256.txt, .whl): install; the GPU
 # tests of the ops changed in the fifteenth session (the cascade's fused merge and window_offset, the draft
 # top-k's fused merge and index_offset (d2t in the store), the shared counter table under split-K); the cascade A/B at the 8B verify / decode shapes

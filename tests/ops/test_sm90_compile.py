@@ -84,29 +84,35 @@ def _hints_before_wait(ptx: str) -> bool:
     return hint >= 0 and (wait < 0 or hint < wait)
 
 
-def _compile_all() -> dict:
-    """Run without TRITON_INTERPRET: every case compiled for sm_90; name -> report (or the error)."""
+def compile_case(module, kernel_name, const, types, unaligned, warps, stages):
+    """One case of :func:`_cases` compiled for sm_90 (Triton's compiled kernel, its ``asm`` dict). Pointers
+    carry the 16-divisibility marks a real launch gets, except the ``unaligned`` arguments (also used by
+    ``tests/gpu/ptxas_regs.py``)."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    kernel = getattr(importlib.import_module(f"treecompile.ops.{module}"), kernel_name)
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if sig[n] not in ("constexpr", "fp32") and not sig[n].startswith("tensordesc") and n not in unaligned
+    }
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs=attrs)  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def _compile_all() -> dict:
+    """Run without TRITON_INTERPRET: every case compiled for sm_90; name -> report (or the error)."""
     report = {}
-    for name, (module, kernel_name, const, types, unaligned, warps, stages) in _cases().items():
-        kernel = getattr(importlib.import_module(f"treecompile.ops.{module}"), kernel_name)
-        names = list(inspect.signature(kernel.fn).parameters)
-        sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-        attrs = {
-            (i,): [["tt.divisibility", 16]]
-            for i, n in enumerate(names)
-            if sig[n] not in ("constexpr", "fp32") and not sig[n].startswith("tensordesc") and n not in unaligned
-        }
+    for name, case in _cases().items():
         try:
-            src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
-                            attrs=attrs)  # fmt: skip
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
+            compiled = compile_case(*case)
             ttgir = compiled.asm["ttgir"]
             report[name] = dict(
                 cubin_bytes=len(compiled.asm["cubin"]), async_copies=len(ASYNC_COPY.findall(ttgir)),

@@ -320,8 +320,7 @@ def test_fused_merges_and_the_draft_fold_change_no_token(monkeypatch, dtype):
     lane step s's rows are window columns [(s - 1) K, s K)) and the commit compiled whole
     (``TREECOMPILE_COMPILED_COMMIT``, on by default). Captured rounds replay them with the arrival counters
     zeroed by each launch. The fused merge sums the same terms in another order, so fp32 must give the same
-    tokens and bf16 nearly the same (near-ties may round apart). (The cascade's fused merge, once part of
-    this test, was removed after timing slower.)"""
+    tokens and bf16 nearly the same (near-ties may round apart)."""
     model = tiny_llama(dtype)
     ids, mask = ragged()
     outs = []
