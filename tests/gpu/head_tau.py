@@ -32,12 +32,16 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
 
+    from treecompile.draft_tree import DraftTree
     from treecompile.drafter import EagleDrafter
     from treecompile.models import load_smollm2
     from treecompile.prompts import CATEGORIES, heldout_prompts
     from treecompile.speculator import TreeSpeculator
     from treecompile.train import chat_ids
 
+    trees = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["4,6,32"])]
+    for K, S, N in trees:  # every shape checked before the target loads (a bad last one once lost the others' JSON)
+        DraftTree(K, S, N)
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -46,7 +50,6 @@ def main() -> int:
     texts = [by_cat[i % len(by_cat)][i // len(by_cat)] for i in range(args.prompts)]
     ids = [torch.tensor([chat_ids(tok, t)], device=dev) for t in texts]
     eos = model.generation_config.eos_token_id
-    trees = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["4,6,32"])]
     results = {}
     for head, (K, S, N) in [(h, t) for h in args.heads for t in trees]:
         t0 = time.perf_counter()
