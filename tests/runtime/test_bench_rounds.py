@@ -56,6 +56,19 @@ def test_smoke_runs_every_variant_and_prints_the_full_table(tmp_path, capsys):
     assert result["targets"][0]["ratio"] == pytest.approx(ms["verify_64"] / ms["decode"])
 
 
+def test_no_hf_leaves_out_only_hf_rows(tmp_path, capsys):
+    """``--no-hf`` (A/B runs of treecompile switches): the verify, decode and draft rows and every target stay."""
+    path = tmp_path / "rounds.json"
+    assert rounds.main(["--smoke", "--no-hf", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    body = [line for line in out.splitlines() if line.startswith("| ")][1:]  # after the header
+    assert [line.split("|")[1].strip() for line in body] == [SMOKE_ROWS[0], SMOKE_ROWS[1], SMOKE_ROWS[4]]
+    result = json.loads(path.read_text())
+    assert [r["key"] for r in result["rows"]] == ["verify_64", "draft", "decode"]
+    assert all(r["ms"] > 0 for r in result["rows"])
+    assert [t["met"] is not None for t in result["targets"]] == [True, True, True]
+
+
 def test_a_failing_variant_is_reported_and_the_run_goes_on(capsys):
     setup = rounds.Setup(device=torch.device("cpu"), dtype=torch.float32, target=dict(rounds.TARGET_SMOKE), ctx=8,
                          nodes=(64,), reps=1, smoke=True)  # fmt: skip

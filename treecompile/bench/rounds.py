@@ -80,7 +80,7 @@ class Setup:
     topk: int = 4
     steps: int = 5
     draft_vocab: int = 32000
-    hf_tokens: tuple[int, ...] = (1, 64)
+    hf_tokens: tuple[int, ...] = (1, 64)  # empty: no HF rows (an A/B of treecompile switches needs none)
     reps: int = 20
     copy_bytes: int = 1 << 30
     smoke: bool = False
@@ -511,8 +511,9 @@ class RoundsBench:
         _say(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + written, {s.copy_bytes >> 20} MiB copy)")
         self.build()
         nodes = sorted(set(s.nodes), reverse=True)  # the largest tree first: verify(64) and the draft round
-        variants = [lambda: self.measure_tree(nodes[0], with_draft=True), self.measure_decode,
-                    self.measure_hf_static, self.measure_hf_nocache]  # fmt: skip
+        variants = [lambda: self.measure_tree(nodes[0], with_draft=True), self.measure_decode]
+        if s.hf_tokens:
+            variants += [self.measure_hf_static, self.measure_hf_nocache]
         variants += [lambda n=n: self.measure_tree(n, with_draft=False) for n in nodes[1:]]
         for measure in variants:
             measure()
@@ -638,18 +639,20 @@ def _row_order(row: dict) -> tuple[int, int]:
 def _setup_from_args(args) -> Setup:
     from treecompile.speculator import fuse_projections_default, skinny_linears_default
 
+    hf_tokens = () if args.no_hf else (1, 64)
     if args.smoke:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         return Setup(
             device=device, dtype=dtype, target=dict(TARGET_SMOKE), ctx=args.ctx or 96,
-            nodes=_int_list(args.nodes) if args.nodes else (64,), draft_vocab=128, hf_tokens=(1, 64),
+            nodes=_int_list(args.nodes) if args.nodes else (64,), draft_vocab=128, hf_tokens=hf_tokens,
             reps=args.reps or 3, copy_bytes=8 << 20, smoke=True, inductor=args.inductor, profile_dir=args.profile,
             fuse_projections=fuse_projections_default(args.fuse_projections, device),
         )  # fmt: skip
     return Setup(
         device=torch.device("cuda"), dtype=torch.bfloat16, target=dict(TARGET_8B), ctx=args.ctx or 2048,
         nodes=_int_list(args.nodes) if args.nodes else (64, 32, 16), reps=args.reps or 20, inductor=args.inductor,
+        hf_tokens=hf_tokens,
         profile_dir=args.profile, fuse_projections=fuse_projections_default(args.fuse_projections, torch.device("cuda")),
         skinny_linears=skinny_linears_default(args.skinny_linears, torch.device("cuda"), torch.bfloat16),
     )  # fmt: skip
@@ -672,6 +675,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny random Llama on any device (CI)")
     parser.add_argument("--inductor", action="store_true",
                         help="compile the rewritten target with Inductor (minutes per graph shape on a slow host)")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="leave out HF's own forward rows (A/B runs of treecompile switches: those rows do not "
+                             "change between the runs, and each costs captures on a fresh machine)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="also write a kernel-time table (torch.profiler) per variant into DIR")
     parser.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction, default=None,
