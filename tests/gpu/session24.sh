@@ -9,8 +9,7 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 mkdir -p /tmp/models && cp .gguf/smol.gguf.part.* .gguf/sha256.txt /tmp/models/ 2>/dev/null
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/install.log 2>&1 || { tail /tmp/install.log; exit 3; }
+bash tests/gpu/install.sh || exit 3
 timeout 250 python3 -m pytest -q -p no:cacheprovider --log-level=WARNING -m gpu \
   tests/runtime/test_speculator_gpu.py -k "compiled_draft" > "$OUT/gpu_draft.log" 2>&1
 echo "gpu compiled draft rc=$? $(tail -1 "$OUT/gpu_draft.log")"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_draft.log" | head
