@@ -42,6 +42,10 @@ def _add_train(sub) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--freeze-lm-head", action="store_true",
                    help="keep the lm_head rows copied from the target (regularizes small data sets)")
+    p.add_argument("--features", default="online", choices=("online", "stored"),
+                   help="where the target's hidden states and top-k targets come from: 'online' runs the target in "
+                   "each training step over token-only data (default; small data at any model size), 'stored' "
+                   "records them during generation (float16 in OUT/data, ~3.5 KB a token for SmolLM2)")
     p.add_argument("--schedule-steps", type=int, default=None, help="cosine schedule horizon (default --steps)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default 8192)")
     p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test steps after step 0 (default 2)")
@@ -114,7 +118,7 @@ def _run_train(args, argv) -> int:
         batch_size=args.batch_size, lr=args.lr, schedule_steps=args.schedule_steps,
         draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, checkpoint_every=args.checkpoint_every,
         seed=args.seed, resume=args.resume, export_dtype=args.export_dtype, weight_decay=args.weight_decay,
-        freeze_lm_head=args.freeze_lm_head,
+        freeze_lm_head=args.freeze_lm_head, features=args.features,
     )  # fmt: skip
     summary = train_drafter(cfg, target_name=args.target, device=args.device or _default_device(),
                             progress=not args.no_progress, argv=argv)  # fmt: skip

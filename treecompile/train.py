@@ -4,10 +4,20 @@ Three stages, each resumable from what it left in the output directory ``DIR``:
 
 1. **Data** (``DIR/data/gen_<start>_<stop>.pt``, one shard per generation batch): the target's own greedy
    continuations of the training prompts (:func:`treecompile.prompts.training_prompts`, chat template
-   applied), produced by HF ``generate`` in batches. While generating, the shard records what training
-   needs, so the target never runs twice: the aux hidden states EAGLE-3 fuses (HF ``hidden_states`` at
-   ``aux_layers``) at every position but the last, and the target's top-k log-probs at every generated
-   position. A finished shard is never regenerated.
+   applied), produced by HF ``generate`` in batches. While generating, a logits processor records the
+   target's top-k log-probs at every generated position (``k`` ids and values a token). The aux hidden
+   states EAGLE-3 fuses (HF ``hidden_states`` at ``aux_layers``, every position but the last) come from one
+   of two places (``--features``):
+
+   - ``online`` (the default): not stored; each training step runs the target once over its batch (one
+     parallel forward, no cache) for them. The data stays small at any target size: stored features cost
+     ``len(aux_layers) * H`` 16-bit values a token (3.5 KB for SmolLM2, 24 KB for an 8B Llama), so millions
+     of tokens of them do not fit a machine's memory or disk, and ``generate`` runs without
+     ``output_hidden_states``. SpecForge's "online" EAGLE-3 training makes the same trade.
+   - ``stored``: ``generate`` records them too (``output_hidden_states``), so the target never runs twice;
+     the shards hold them in float16.
+
+   A finished shard is never regenerated.
 2. **Draft vocabulary**: the V most frequent tokens the target generated (ties to the lower id), padded
    with its next most likely alternatives when fewer occur; ``d2t`` / ``t2d`` as in EAGLE-3.
 3. **Training** (``DIR/checkpoint.pt`` every ``--checkpoint-every`` steps, and on Ctrl-C): EAGLE-3's
@@ -58,6 +68,8 @@ __all__ = [
 DATA_FORMAT = 1
 CHECKPOINT = "checkpoint.pt"
 STEP_WEIGHT = 0.8  # EAGLE-3's per-step loss decay over training-time-test steps
+FEATURE_MODES = ("online", "stored")
+ONLINE_HIDDEN_BUDGET = 1 << 28  # hidden-state elements (all layers) per online target forward
 
 
 @dataclasses.dataclass
@@ -85,6 +97,7 @@ class TrainConfig:
     max_hours: float | None = None  # stop (checkpointed) after this much training wall time
     freeze_lm_head: bool = False  # keep the target's own output rows: fewer weights to overfit small data
     weight_decay: float = 0.0
+    features: str = "online"  # "online": the target runs in each training step; "stored": recorded in the data
 
     def validate(self) -> None:
         for name in ("max_new_tokens", "gen_batch_size", "samples_per_prompt", "steps", "batch_size", "draft_vocab", "topk_targets",
@@ -102,6 +115,8 @@ class TrainConfig:
             raise ValueError(f"lr: expected a float in (0, 1), got {self.lr!r}")
         if not (isinstance(self.weight_decay, float) and 0 <= self.weight_decay < 1):
             raise ValueError(f"weight_decay: expected a float in [0, 1), got {self.weight_decay!r}")
+        if self.features not in FEATURE_MODES:
+            raise ValueError(f"features: one of {', '.join(FEATURE_MODES)}; got {self.features!r}")
         if self.export_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"export_dtype: one of float16, bfloat16, float32; got {self.export_dtype!r}")
 
@@ -189,16 +204,15 @@ class _Temper:
 
 
 def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_layers, topk, eos, pad,
-                    temperature: float | None = None, seed: int = 0) -> list[dict]:  # fmt: skip
-    """One batch of continuations with everything training needs (see the module docstring): greedy
-    when ``temperature`` is None, else sampled at that temperature (seeded by ``seed``). Either way the
-    recorded top-k targets are the target's untempered distribution at each position.
+                    temperature: float | None = None, seed: int = 0, features: bool = True) -> list[dict]:  # fmt: skip
+    """One batch of continuations: greedy when ``temperature`` is None, else sampled at that temperature
+    (seeded by ``seed``).
 
     Returns one record per prompt: ``tokens int32 [n]`` (prompt + continuation, cut after the first EOS),
-    ``prompt_len L``, ``features float16 [n - 1, F]`` (aux hidden states of positions 0..n-2; float32 when
-    they overflow float16),
-    ``target_ids int32 [m, k]`` / ``target_logp float16 [m, k]`` (the target's top-k at positions
-    L-1 .. n-2, i.e. for generated tokens 0..m-1; m = n - L).
+    ``prompt_len L``, ``target_ids int32 [m, k]`` / ``target_logp float16 [m, k]`` (the target's top-k at
+    positions L-1 .. n-2, i.e. for generated tokens 0..m-1; m = n - L; the untempered distribution even where
+    the token was sampled), and with ``features`` (``--features stored``) ``features float16 [n - 1, F]``
+    (aux hidden states of positions 0..n-2; float32 when they overflow float16).
     """
     from transformers import LogitsProcessorList
 
@@ -221,41 +235,46 @@ def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_laye
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
             num_beams=1, **sampling,
-            logits_processor=LogitsProcessorList(processors), output_hidden_states=True,
+            logits_processor=LogitsProcessorList(processors), output_hidden_states=features,
             return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad,
         )  # fmt: skip
     gen = out.sequences[:, width:].cpu()
-    steps = gen.shape[1]
-    # [B, width + steps - 1, F]: prefill rows, then one row per fed generated token (the last one never is).
-    prefill = torch.cat([out.hidden_states[0][i] for i in aux_layers], dim=-1).float().cpu()
-    later = [torch.cat([h[i] for i in aux_layers], dim=-1).float().cpu() for h in out.hidden_states[1:]]
-    feats = torch.cat([prefill] + later, dim=1) if later else prefill
-    # float16 halves the cache; hidden-state outliers (SmolLM2's reach ~25k) must still fit its range.
-    small = feats.to(torch.float16)
-    if bool(torch.isfinite(small).all()) or not bool(torch.isfinite(feats).all()):
-        feats = small
-    else:
-        logger.warning("hidden states exceed the float16 range; this shard keeps float32 features")
+    feats = _recorded_features(out.hidden_states, aux_layers) if features else None
     top_ids = torch.stack([s[0] for s in recorder.steps], dim=1)  # [B, steps, k]
     top_logp = torch.stack([s[1] for s in recorder.steps], dim=1)
     records = []
     for b, p in enumerate(prompt_ids):
-        row = gen[b].tolist()
-        m = steps
-        for j, t in enumerate(row):
-            if t in eos:
-                m = j + 1
-                break
-        L = len(p)
-        tokens = torch.tensor(p + row[:m], dtype=torch.int32)
-        records.append({
-            "tokens": tokens,
-            "prompt_len": L,
-            "features": feats[b, width - L : width - L + L + m - 1].clone(),
-            "target_ids": top_ids[b, :m].clone(),
-            "target_logp": top_logp[b, :m].clone(),
-        })  # fmt: skip
+        row = _until_eos(gen[b].tolist(), eos)
+        L, m = len(p), len(row)
+        tokens = torch.tensor(p + row, dtype=torch.int32)
+        record = {"tokens": tokens, "prompt_len": L, "target_ids": top_ids[b, :m].clone(),
+                  "target_logp": top_logp[b, :m].clone()}  # fmt: skip
+        if feats is not None:
+            record["features"] = feats[b, width - L : width - L + L + m - 1].clone()
+        records.append(record)
     return records
+
+
+def _recorded_features(hidden_states, aux_layers) -> torch.Tensor:
+    """``generate``'s per-step hidden states -> ``[B, width + steps - 1, F]``: the prefill rows, then one row
+    per fed generated token (the last one never is); float16 unless a value overflows it."""
+    prefill = torch.cat([hidden_states[0][i] for i in aux_layers], dim=-1).float().cpu()
+    later = [torch.cat([h[i] for i in aux_layers], dim=-1).float().cpu() for h in hidden_states[1:]]
+    feats = torch.cat([prefill] + later, dim=1) if later else prefill
+    # float16 halves the cache; hidden-state outliers (SmolLM2's reach ~25k) must still fit its range.
+    small = feats.to(torch.float16)
+    if bool(torch.isfinite(small).all()) or not bool(torch.isfinite(feats).all()):
+        return small
+    logger.warning("hidden states exceed the float16 range; this shard keeps float32 features")
+    return feats
+
+
+def _until_eos(row: list[int], eos: list[int]) -> list[int]:
+    """A continuation cut after its first EOS (kept), as a request stops there."""
+    for j, t in enumerate(row):
+        if t in eos:
+            return row[: j + 1]
+    return row
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -265,7 +284,7 @@ def _atomic_save(obj, path: Path) -> None:
 
 
 def _data_identity(model, target_name: str, cfg: TrainConfig, aux_layers) -> dict:
-    return {
+    identity = {
         "format": DATA_FORMAT,
         "target": target_name,
         "vocab_size": int(model.config.vocab_size),
@@ -276,15 +295,22 @@ def _data_identity(model, target_name: str, cfg: TrainConfig, aux_layers) -> dic
         "topk_targets": cfg.topk_targets,
         "prompt_seed": cfg.seed,
     }
+    if cfg.features == "online":
+        # No features in the shards, so the aux layers are not part of the data. (Stored data keeps the
+        # identity it always had, so earlier data directories stay valid.)
+        del identity["aux_layers"]
+        identity["features"] = "online"
+    return identity
 
 
 def generate_data(model, tokenizer, prompts: list[str], data_dir: Path, identity: dict, max_new_tokens: int,
                   batch_size: int, aux_layers, topk: int, progress: bool = True, samples_per_prompt: int = 1,
-                  temperature: float = 0.8, seed: int = 0) -> list[Path]:  # fmt: skip
+                  temperature: float = 0.8, seed: int = 0, features: bool = True) -> list[Path]:  # fmt: skip
     """Stage 1: shards over ``prompts`` in order, ``batch_size`` prompts each: ``gen_<start>_<stop>.pt``
     with the greedy continuations, then for each extra sample s = 1 .. ``samples_per_prompt`` - 1
     ``gen_s<s>_<start>_<stop>.pt`` with continuations sampled at ``temperature`` (more data from the same
-    prompts; the recorded targets are the target's own distribution either way).
+    prompts; the recorded targets are the target's own distribution either way). ``features=False`` (online
+    features) leaves the hidden states out (:func:`_generate_shard`).
 
     A shard whose file exists and holds the same prompts (and sample temperature) is reused (finished work
     survives an interruption, and a run with more samples extends one with fewer); ``data_dir/meta.json``
@@ -326,18 +352,48 @@ def generate_data(model, tokenizer, prompts: list[str], data_dir: Path, identity
             todo.append((start, stop, path, sample, temp))
     if len(todo) < len(paths):
         logger.info("data: %d of %d shards already generated; %d to go", len(paths) - len(todo), len(paths), len(todo))
-    bar = tqdm(todo, desc="generating", unit="batch", disable=not progress)
+    calls = _group_samples(todo, batch_size)
+    bar = tqdm(calls, desc="generating", unit="batch", disable=not progress)
     tokens_done = 0
-    for start, stop, path, sample, temp in bar:
+    for group in bar:
+        start, stop, _, sample, temp = group[0]
         batch = prompts[start:stop]
         t0 = time.perf_counter()
-        records = _generate_shard(model, [chat_ids(tokenizer, p) for p in batch], max_new_tokens, aux_layers, topk,
-                                  eos, pad, temperature=temp, seed=seed * 1_000_003 + sample * 10_007 + start)  # fmt: skip
-        tokens_done += sum(len(r["target_ids"]) for r in records)
-        _atomic_save({"prompts": batch, "temperature": temp, "records": records,
-                      "seconds": time.perf_counter() - t0}, path)  # fmt: skip
+        records = _generate_shard(model, [chat_ids(tokenizer, p) for p in batch] * len(group), max_new_tokens,
+                                  aux_layers, topk, eos, pad, temperature=temp,
+                                  seed=seed * 1_000_003 + sample * 10_007 + start, features=features)  # fmt: skip
+        tokens_done += sum(_generated(r) for r in records)
+        seconds = (time.perf_counter() - t0) / len(group)
+        for i, (_, _, path, _, _) in enumerate(group):  # one shard per sample, as if generated alone
+            part = records[i * len(batch) : (i + 1) * len(batch)]
+            _atomic_save({"prompts": batch, "temperature": temp, "records": part, "seconds": seconds}, path)
         bar.set_postfix(generated_tokens=tokens_done)
     return paths
+
+
+def _group_samples(todo: list[tuple], batch_size: int) -> list[list[tuple]]:
+    """Shards to generate -> ``generate`` calls: sampled shards of the same prompts share a call, as many as
+    fit ``batch_size`` rows. ``generate`` costs about the same per step at any batch an H200 holds for a
+    small target (host-bound: ~47 ms a step for SmolLM2 at 757 rows, fifth session), so with fewer prompts
+    than ``batch_size`` one call makes several samples' shards. The greedy shards stay one a call (their
+    rows would all be alike). A group's sampling seed is its first sample's, so the sampled data depend on
+    ``batch_size`` too."""
+    calls, pending = [], {}
+    for item in todo:
+        start, stop, _, _, temp = item
+        if temp is None:
+            calls.append([item])
+            continue
+        group = pending.setdefault((start, stop), [])
+        group.append(item)
+        if len(group) * (stop - start) + (stop - start) > batch_size:  # the next one would not fit
+            calls.append(pending.pop((start, stop)))
+    calls.extend(pending.values())
+    return calls
+
+
+def _generated(record: dict) -> int:
+    return len(record["tokens"]) - record["prompt_len"]
 
 
 def load_records(paths: list[Path]) -> tuple[list[dict], float]:
@@ -495,22 +551,23 @@ def _batch_at(batches: list[list[int]], step: int, seed: int) -> list[int]:
     return batches[int(perm[index])]
 
 
-def _collate(records: list[dict], idx: list[int], t2d_index: torch.Tensor, steps: int, device):
-    """Padded tensors of one batch: features [B, T, F], tokens [B, T + steps + 1], and per absolute
-    position q (predicting the token at q + 1) the draft-vocabulary soft target ``target [B, T + steps + 1, k]``
-    (draft ids, -1 where absent) with probabilities ``target_p``."""
+def _collate(records: list[dict], idx: list[int], t2d_index: torch.Tensor, steps: int, device, online: bool = False):
+    """Padded tensors of one batch: features [B, T, F] (None when ``online``: :func:`_online_features`
+    makes them), tokens [B, T + steps + 1], and per absolute position q (predicting the token at q + 1) the
+    draft-vocabulary soft target ``target [B, T + steps + 1, k]`` (draft ids, -1 where absent) with
+    probabilities ``target_p``."""
     recs = [records[i] for i in idx]
     B = len(recs)
     T = max(len(r["tokens"]) for r in recs) - 1
-    Fdim = recs[0]["features"].shape[1]
     k = recs[0]["target_ids"].shape[1]
-    feats = torch.zeros(B, T, Fdim, dtype=torch.float32)
+    feats = None if online else torch.zeros(B, T, recs[0]["features"].shape[1], dtype=torch.float32)
     tokens = torch.zeros(B, T + steps + 1, dtype=torch.long)
     tgt = torch.full((B, T + steps + 1, k), -1, dtype=torch.long)
     tgt_p = torch.zeros(B, T + steps + 1, k, dtype=torch.float32)
     for b, r in enumerate(recs):
         n, L = len(r["tokens"]), r["prompt_len"]
-        feats[b, : n - 1] = r["features"].float()
+        if feats is not None:
+            feats[b, : n - 1] = r["features"].float()
         tokens[b, :n] = r["tokens"].long()
         m = len(r["target_ids"])
         draft = t2d_index[r["target_ids"].long()]  # [m, k], -1 outside the draft vocabulary
@@ -518,7 +575,30 @@ def _collate(records: list[dict], idx: list[int], t2d_index: torch.Tensor, steps
         p = p / p.sum(-1, keepdim=True).clamp(min=1e-12)
         tgt[b, L - 1 : L - 1 + m] = torch.where(p.sum(-1, keepdim=True) > 0, draft, -1)
         tgt_p[b, L - 1 : L - 1 + m] = p
-    return feats.to(device), tokens.to(device), tgt.to(device), tgt_p.to(device)
+    return None if feats is None else feats.to(device), tokens.to(device), tgt.to(device), tgt_p.to(device)
+
+
+def _online_features(model, records: list[dict], idx: list[int], aux_layers, device) -> torch.Tensor:
+    """``features [B, T, F]`` of one batch (``--features online``): the aux hidden states ``generate``
+    would have recorded, from one parallel forward of the target over each sequence's pair positions
+    0..T-1, right-padded (a causal row never sees the pad after it; padded rows are never read). Run in
+    sub-batches of at most :data:`ONLINE_HIDDEN_BUDGET` hidden-state elements, since
+    ``output_hidden_states`` keeps every layer's rows; only the last position's logits are formed."""
+    recs = [records[i] for i in idx]
+    B, T = len(recs), max(len(r["tokens"]) for r in recs) - 1
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    for b, r in enumerate(recs):
+        tokens[b, : len(r["tokens"]) - 1] = r["tokens"][:-1].long()
+    here = next(model.parameters()).device  # the target's device; the features go to ``device``
+    per_row = T * int(model.config.hidden_size) * (int(model.config.num_hidden_layers) + 1)
+    rows = max(1, ONLINE_HIDDEN_BUDGET // max(per_row, 1))
+    feats = []
+    with torch.no_grad():
+        for start in range(0, B, rows):
+            out = model(input_ids=tokens[start : start + rows].to(here), output_hidden_states=True, logits_to_keep=1)
+            feats.append(torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1).to(device, torch.float32))
+            del out
+    return torch.cat(feats)
 
 
 def _step_loss(head, outs, tgt, tgt_p):
@@ -615,11 +695,13 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
 
     prompts = ordered_prompts(cfg.prompts, cfg.seed)
     identity = _data_identity(model, target_name, cfg, aux_layers)
+    online = cfg.features == "online"
     shards = generate_data(model, tokenizer, prompts, out / "data", identity, cfg.max_new_tokens,
                            cfg.gen_batch_size, aux_layers, cfg.topk_targets, progress=progress,
-                           samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.temperature, seed=cfg.seed)  # fmt: skip
+                           samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.temperature, seed=cfg.seed,
+                           features=not online)  # fmt: skip
     records, t_data = load_records(shards)
-    gen_tokens = sum(len(r["target_ids"]) for r in records)
+    gen_tokens = sum(_generated(r) for r in records)
     logger.info("data: %d sequences, %d generated tokens, %d tokens in all", len(records), gen_tokens,
                 sum(len(r["tokens"]) for r in records))  # fmt: skip
 
@@ -672,8 +754,10 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
                 break
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, cfg)
-            feats, tokens, tgt, tgt_p = _collate(records, _batch_at(batches, step, cfg.seed), t2d_index,
-                                                 cfg.ttt_steps, train_device)  # fmt: skip
+            idx = _batch_at(batches, step, cfg.seed)
+            feats, tokens, tgt, tgt_p = _collate(records, idx, t2d_index, cfg.ttt_steps, train_device, online=online)
+            if online:
+                feats = _online_features(model, records, idx, aux_layers, train_device)
             outs = ttt_forward(head, feats, tokens, cfg.ttt_steps)
             loss, losses, accs = _step_loss(head, outs, tgt, tgt_p)
             opt.zero_grad(set_to_none=True)
@@ -719,6 +803,7 @@ def _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_second
         "lr": cfg.lr,
         "weight_decay": cfg.weight_decay,
         "freeze_lm_head": cfg.freeze_lm_head,
+        "features": cfg.features,
         "data_generation_seconds": None if math.isnan(t_data) else round(t_data, 1),  # NaN: shards of older runs
         "train_seconds": round(train_seconds, 1),
         "final_loss_mean_last_20": mean([h["loss"] for h in tail]),

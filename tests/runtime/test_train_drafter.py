@@ -140,6 +140,79 @@ def test_draft_vocab_takes_the_most_frequent_generated_tokens():
         train.build_draft_vocab(records, vocab_size=40, draft_vocab=41)
 
 
+# ---- online features: the target in the training step ------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [None, 1.5], ids=["greedy", "sampled"])
+def test_online_features_equal_what_generate_recorded(monkeypatch, temperature):
+    """``--features online`` computes in one parallel forward the aux hidden states ``--features stored``
+    recorded during ``generate`` (step by step, with a cache), for ragged sequences right-padded in a batch,
+    one sequence per forward (a budget of one row), and leaves the rest of the batch as it was."""
+    model = tiny_llama(dtype=torch.float64, seed=3)
+    prompts = [[5, 9, 11, 3], [7, 8], [12, 4, 4, 30, 31, 6, 40]]
+    records = train._generate_shard(model, prompts, 9, [2, 2, 1], 6, [1], 2, temperature=temperature, seed=4)
+    lean = train._generate_shard(model, prompts, 9, [2, 2, 1], 6, [1], 2, temperature=temperature, seed=4,
+                                 features=False)  # fmt: skip
+    assert all(set(r) == {"tokens", "prompt_len", "target_ids", "target_logp"} for r in lean)
+    for a, b in zip(lean, records):  # the same continuations and targets, without the hidden states
+        assert all(torch.equal(a[k], b[k]) for k in ("tokens", "target_ids", "target_logp"))
+    assert len({len(r["tokens"]) for r in records}) > 1  # ragged
+    t2d_index = torch.full((99,), -1, dtype=torch.long)
+    t2d_index[3:90] = torch.arange(87)
+    want = train._collate(records, [0, 1, 2], t2d_index, 2, "cpu")
+    got = train._collate(lean, [0, 1, 2], t2d_index, 2, "cpu", online=True)
+    assert got[0] is None and all(torch.equal(g, w) for g, w in zip(got[1:], want[1:]))
+    T = want[0].shape[1]
+    monkeypatch.setattr(train, "ONLINE_HIDDEN_BUDGET", T * 32 * 5)  # one sequence per forward
+    feats = train._online_features(model, lean, [0, 1, 2], [2, 2, 1], "cpu")
+    assert feats.shape == want[0].shape and feats.dtype == torch.float32
+    for b, r in enumerate(records):  # the stored features are float16; padded rows are never read
+        n = len(r["tokens"])
+        torch.testing.assert_close(feats[b, : n - 1], want[0][b, : n - 1], rtol=2e-3, atol=2e-3)
+
+
+def test_online_shards_hold_no_features_and_train_like_stored(target_dir, tmp_path, capsys):
+    """The default (``--features online``) keeps shards without hidden states and trains on the same
+    batches, targets and draft vocabulary as ``--features stored``; the two runs' losses agree (their
+    features differ by float16 rounding only), and resuming a directory under the other mode is refused,
+    naming ``features``."""
+    online, stored = tmp_path / "online", tmp_path / "stored"
+    assert main(cli_args(target_dir, online, 3)) == 0
+    assert main(cli_args(target_dir, stored, 3, "--features", "stored")) == 0
+    shards = [torch.load(d / "data" / "gen_00000_00004.pt", weights_only=True) for d in (online, stored)]
+    assert all("features" not in r for r in shards[0]["records"])
+    assert all("features" in r for r in shards[1]["records"])
+    for a, b in zip(*(s["records"] for s in shards)):
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["target_ids"], b["target_ids"])
+    runs = [checkpoint(online), checkpoint(stored)]
+    assert torch.equal(runs[0]["draft_ids"], runs[1]["draft_ids"])
+    for j in range(3):
+        torch.testing.assert_close(runs[0]["history"][j]["loss"], runs[1]["history"][j]["loss"], rtol=1e-3, atol=1e-3)
+    summaries = [json.loads((d / "training.json").read_text()) for d in (online, stored)]
+    assert [s["features"] for s in summaries] == ["online", "stored"]
+    assert summaries[0]["generated_tokens"] == summaries[1]["generated_tokens"] > 0
+    capsys.readouterr()
+    assert main(cli_args(target_dir, online, 4, "--resume", "--features", "stored")) == 2
+    assert "features" in capsys.readouterr().err
+
+
+def test_sampled_shards_share_generate_calls_up_to_the_batch_size():
+    """Every shard is made exactly once; a call never holds more than ``batch_size`` rows, never mixes
+    prompt spans or greedy with sampled rows, and fills up when the prompts are fewer than the batch."""
+    spans = [(0, 3), (3, 5)]
+    todo = [(a, b, f"s{s}_{a}", s, None if s == 0 else 0.8) for s in range(5) for a, b in spans]
+    for batch_size in (3, 5, 6, 9, 100):
+        calls = train._group_samples(todo, batch_size)
+        assert sorted(i for c in calls for i in c) == sorted(todo)
+        for call in calls:
+            rows = len(call) * (call[0][1] - call[0][0])
+            assert rows <= max(batch_size, call[0][1] - call[0][0])
+            assert len({(i[0], i[1]) for i in call}) == 1
+            assert all(i[4] is None for i in call) == (call[0][4] is None)
+            assert call[0][4] is not None or len(call) == 1
+    assert sorted(len(c) for c in train._group_samples(todo, 9) if c[0][4] is not None) == [1, 3, 4]  # 3 + 1 of 3 rows, 4 of 2
+
+
 # ---- the CLI end to end: resume, interruption, export ---------------------------------------------------
 
 
@@ -209,19 +282,24 @@ def test_sampled_continuations_extend_the_data_and_record_the_untempered_target(
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "head"
-    assert main(cli_args(target_dir, out, 1)) == 0
+    assert main(cli_args(target_dir, out, 1, "--features", "stored")) == 0
     calls = []
     real = train._generate_shard
 
     def counting(model, prompt_ids, *args, **kwargs):
-        calls.append(kwargs.get("temperature"))
+        calls.append((kwargs.get("temperature"), len(prompt_ids)))
         return real(model, prompt_ids, *args, **kwargs)
 
     monkeypatch.setattr(train, "_generate_shard", counting)
-    # Two more samples per prompt: the greedy shards are reused, only the sampled ones are generated.
-    assert main(cli_args(target_dir, out, 2, "--resume", "--samples-per-prompt", "3", "--temperature", "1.5")) == 0
-    assert calls == [1.5] * 4
+    # Two more samples per prompt: the greedy shards are reused, only the sampled ones are generated; the
+    # last span's two prompts get both their samples from one call of 4 rows (--gen-batch-size 4).
+    assert main(cli_args(target_dir, out, 2, "--resume", "--samples-per-prompt", "3", "--temperature", "1.5",
+                         "--features", "stored")) == 0  # fmt: skip
+    assert calls == [(1.5, 4)] * 3
     data = out / "data"
+    pair = [torch.load(data / f"gen_s{i}_00004_00006.pt", weights_only=True) for i in (1, 2)]
+    assert [len(p["records"]) for p in pair] == [2, 2] and pair[0]["prompts"] == pair[1]["prompts"]
+    assert any(not torch.equal(a["tokens"], b["tokens"]) for a, b in zip(pair[0]["records"], pair[1]["records"]))
     greedy = torch.load(data / "gen_00000_00004.pt", weights_only=True)
     sampled = torch.load(data / "gen_s1_00000_00004.pt", weights_only=True)
     assert greedy["temperature"] is None and sampled["temperature"] == 1.5
@@ -292,3 +370,5 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
     assert "steps: expected a positive int" in capsys.readouterr().err
     assert main(cli_args(target_dir, tmp_path / "hot", 1, "--samples-per-prompt", "2", "--temperature", "0")) == 2
     assert "temperature: expected a float in (0, 2]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="features: one of online, stored; got 'disk'"):
+        train.TrainConfig(out=str(tmp_path / "x"), features="disk").validate()
