@@ -602,24 +602,30 @@ def _online_features(model, records: list[dict], idx: list[int], aux_layers, dev
 
 
 def _step_loss(head, outs, tgt, tgt_p):
-    """Weighted soft cross-entropy over TTT steps; also each step's top-1 agreement with the target."""
-    total, losses, accs = 0.0, [], []
+    """Weighted soft cross-entropy over TTT steps; also each step's top-1 agreement with the target.
+
+    Returns ``(loss, losses, accs)``: the loss tensor (None when no position of the batch has a target)
+    and per step the mean cross-entropy and agreement (NaN for a step with no target). Every row's logits
+    are formed and the rows without a target weighted 0, rather than selecting rows with a boolean mask:
+    that would read the mask's count back to the host once per step; here one read per training step
+    brings every number back."""
+    total, stats = 0.0, []
     T = outs[0].shape[1]
     for j, out in enumerate(outs):
         # Step j's row b predicts the token after absolute position b + j + 1.
         t, p = tgt[:, j + 1 : j + 1 + T], tgt_p[:, j + 1 : j + 1 + T]
-        valid = t[..., 0] >= 0
-        if not bool(valid.any()):
-            losses.append(float("nan"))
-            accs.append(float("nan"))
-            continue
-        logp = torch.log_softmax(head.logits(out[valid]).float(), dim=-1)  # [n, Vd]
-        tv, pv = t[valid], p[valid]
-        ce = -(pv * logp.gather(1, tv.clamp(min=0))).sum(-1).mean()
+        valid = t[..., 0] >= 0  # [B, T]
+        count = valid.sum()
+        logp = torch.log_softmax(head.logits(out).float(), dim=-1)  # [B, T, Vd]
+        rows = -(p * logp.gather(-1, t.clamp(min=0))).sum(-1)  # 0 where p is (no target)
+        ce = (rows * valid).sum() / count.clamp(min=1)
         total = total + (STEP_WEIGHT**j) * ce
-        losses.append(float(ce.detach()))
-        accs.append(float((logp.argmax(-1) == tv[:, 0]).float().mean()))
-    return total, losses, accs
+        acc = ((logp.argmax(-1) == t[..., 0]) & valid).sum() / count.clamp(min=1)
+        stats.append(torch.stack([ce.detach(), acc.float(), count.float()]))
+    values = torch.stack(stats).tolist()  # the step's one host read
+    losses = [ce if n > 0 else float("nan") for ce, _, n in values]
+    accs = [acc if n > 0 else float("nan") for _, acc, n in values]
+    return (total if any(n > 0 for *_, n in values) else None), losses, accs
 
 
 def _lr_at(step: int, cfg: TrainConfig) -> float:
@@ -761,11 +767,12 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
             outs = ttt_forward(head, feats, tokens, cfg.ttt_steps)
             loss, losses, accs = _step_loss(head, outs, tgt, tgt_p)
             opt.zero_grad(set_to_none=True)
-            if torch.is_tensor(loss):  # a batch with no generated position has nothing to learn from
+            if loss is not None:  # a batch with no generated position has nothing to learn from
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
-            loss = torch.as_tensor(loss)
+            # The history's loss, from the numbers already read (no second host read of the loss tensor).
+            loss = torch.tensor(sum(STEP_WEIGHT**j * ce for j, ce in enumerate(losses) if not math.isnan(ce)))
             step += 1
             train_seconds = base_seconds + time.perf_counter() - t_train
             history.append({"step": step, "loss": float(loss.detach()), "ce": losses, "acc": accs, "lr": opt.param_groups[0]["lr"]})

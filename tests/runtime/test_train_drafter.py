@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -115,6 +116,35 @@ def test_ttt_forward_has_gradients_for_everything_the_head_owns():
     sum(head.logits(o).square().mean() for o in outs).backward()
     missing = [n for n, p in head.named_parameters() if p.grad is None or not bool(p.grad.abs().sum() > 0)]
     assert missing == [] and model.get_input_embeddings().weight.grad is None
+
+
+def test_step_loss_weights_out_rows_without_a_target():
+    """The loss over every row with the target-less rows weighted 0 equals the mean over the selected rows
+    (float64 reference; the loss takes its log-softmax in float32, as for a 16-bit head); a step with no target reads NaN and adds nothing; a batch with none gives None."""
+    model = tiny_llama(vocab=64, dtype=torch.float64)
+    head = EagleDrafter.for_target(model, seed=1, draft_vocab_size=16).double()
+    g = torch.Generator().manual_seed(5)
+    B, T, J, k = 2, 6, 2, 3
+    outs = [torch.randn(B, T, 32, generator=g, dtype=torch.float64) for _ in range(J + 1)]
+    tgt = torch.randint(0, 16, (B, T + J + 1, k), generator=g)
+    tgt_p = torch.rand(B, T + J + 1, k, generator=g, dtype=torch.float64)
+    tgt[:, :2], tgt[1, 5:], tgt[:, T + 1 :] = -1, -1, -1  # prompt rows, a short sequence, past the end
+    tgt_p[tgt[..., 0] < 0] = 0
+    loss, losses, accs = train._step_loss(head, outs, tgt, tgt_p)
+    want = 0.0
+    for j, out in enumerate(outs):
+        t, p = tgt[:, j + 1 : j + 1 + T], tgt_p[:, j + 1 : j + 1 + T]
+        valid = t[..., 0] >= 0
+        logp = torch.log_softmax(head.logits(out[valid]), -1)
+        ce = -(p[valid] * logp.gather(1, t[valid])).sum(-1).mean()
+        want = want + 0.8**j * ce
+        assert losses[j] == pytest.approx(float(ce.detach()), rel=1e-6)
+        assert accs[j] == pytest.approx(float((logp.argmax(-1) == t[valid][:, 0]).double().mean()), rel=1e-12)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=0)
+    tgt[:, 3:] = -1  # step 2's rows (positions 3..8) have no target left
+    loss, losses, accs = train._step_loss(head, outs, tgt, tgt_p * (tgt >= 0))
+    assert math.isnan(losses[2]) and math.isnan(accs[2]) and not math.isnan(losses[1])
+    assert train._step_loss(head, outs, torch.full_like(tgt, -1), torch.zeros_like(tgt_p))[0] is None
 
 
 # ---- draft vocabulary --------------------------------------------------------------------------------------
