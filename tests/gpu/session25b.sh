@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Nineteenth session's second device call (carry .gguf/smol.gguf.part.1; the shipped head back in the working
+# tree): SmolLM2 assembled; the head-training daemon started (tests/gpu/train25.sh: 32 samples a prompt with
+# online features, heads A and B, held-out tau, e2e with the best); in the foreground, while the daemon makes
+# data (correctness only), the model GPU tests; then follow the daemon. Later calls: `bash tests/gpu/watch.sh
+# 540` until its stages.log says DONE (each call within 30 s of the last, or the machine and daemon are gone).
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
+bash tests/gpu/smol_setup.sh || exit 3
+[ -f /tmp/models/ready ] || { echo "SmolLM2 not assembled"; exit 3; }
+mkdir -p /tmp/pipe && setsid nohup bash tests/gpu/train25.sh > /tmp/pipe/daemon.log 2>&1 < /dev/null &
+sleep 2
+timeout 240 python3 -m pytest -v -p no:cacheprovider --log-level=WARNING -m gpu tests/models > "$OUT/gpu_models.log" 2>&1
+echo "gpu models rc=$? $(tail -1 "$OUT/gpu_models.log")"; grep -E " (FAILED|ERROR)" "$OUT/gpu_models.log" | head
+bash tests/gpu/watch.sh ${WATCH:-280}
