@@ -7,9 +7,11 @@ Three stages, each resumable from what it left in the output directory ``DIR``:
    applied), produced by HF ``generate`` in batches. While generating, a logits processor records the
    target's top-k log-probs at every generated position (``k`` ids and values a token). The aux hidden
    states EAGLE-3 fuses (HF ``hidden_states`` at ``aux_layers``, every position but the last) come from one
-   of two places (``--features``):
+   of two places (``--features``; ``auto``, the default, picks ``stored`` when its upper bound fits a quarter
+   of the host memory and half the free disk of ``DIR``, else ``online``; an existing data directory keeps
+   its mode):
 
-   - ``online`` (the default): not stored; each training step runs the target once over its batch (one
+   - ``online``: not stored; each training step runs the target once over its batch (one
      parallel forward, no cache) for them. The data stays small at any target size: stored features cost
      ``len(aux_layers) * H`` 16-bit values a token (3.5 KB for SmolLM2, 24 KB for an 8B Llama), so millions
      of tokens of them do not fit a machine's memory or disk, and ``generate`` runs without
@@ -44,6 +46,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -68,8 +71,9 @@ __all__ = [
 DATA_FORMAT = 1
 CHECKPOINT = "checkpoint.pt"
 STEP_WEIGHT = 0.8  # EAGLE-3's per-step loss decay over training-time-test steps
-FEATURE_MODES = ("online", "stored")
-ONLINE_HIDDEN_BUDGET = 1 << 28  # hidden-state elements (all layers) per online target forward
+FEATURE_MODES = ("auto", "online", "stored")
+ONLINE_HIDDEN_BUDGET = 1 << 28  # captured hidden-state elements per online target forward
+ONLINE_PREFETCH_STEPS = 8  # training steps whose online features one round of forwards makes
 
 
 @dataclasses.dataclass
@@ -97,7 +101,7 @@ class TrainConfig:
     max_hours: float | None = None  # stop (checkpointed) after this much training wall time
     freeze_lm_head: bool = False  # keep the target's own output rows: fewer weights to overfit small data
     weight_decay: float = 0.0
-    features: str = "online"  # "online": the target runs in each training step; "stored": recorded in the data
+    features: str = "auto"  # "online": the target runs in each step; "stored": in the data; "auto": stored if it fits
 
     def validate(self) -> None:
         for name in ("max_new_tokens", "gen_batch_size", "samples_per_prompt", "steps", "batch_size", "draft_vocab", "topk_targets",
@@ -281,6 +285,29 @@ def _atomic_save(obj, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)  # a shard or checkpoint appears whole or not at all
+
+
+def _resolve_features(cfg: TrainConfig, model, tokenizer, prompts: list[str], data_dir: Path, aux_layers) -> str:
+    """``--features auto`` -> ``stored`` or ``online``. Data already in ``data_dir`` keeps the mode it was
+    made with; otherwise ``stored`` when its upper bound (every continuation at ``max_new_tokens``, float16
+    features) fits a quarter of the host memory (all records are held there while training) and half the
+    free disk, since stored features train fastest: the eighteenth session's probe at SmolLM2's shape on
+    the H200 read 0.075 s a training step stored against 0.177 online (``tests/gpu/probe25.sh``)."""
+    if cfg.features != "auto":
+        return cfg.features
+    meta = data_dir / "meta.json"
+    if meta.is_file():
+        mode = "online" if json.loads(meta.read_text()).get("features") == "online" else "stored"
+        logger.info("features: %s, as the data in %s were made", mode, data_dir)
+        return mode
+    tokens = sum(len(chat_ids(tokenizer, p)) + cfg.max_new_tokens for p in prompts) * cfg.samples_per_prompt
+    need = tokens * len(aux_layers) * int(model.config.hidden_size) * 2
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    disk = shutil.disk_usage(data_dir.parent if not data_dir.exists() else data_dir).free
+    mode = "stored" if need <= min(memory / 4, disk / 2) else "online"
+    logger.info("features: %s (stored ones would take up to %.1f GB; a quarter of memory %.1f GB, half the free "
+                "disk %.1f GB)", mode, need / 1e9, memory / 4e9, disk / 2e9)  # fmt: skip
+    return mode
 
 
 def _data_identity(model, target_name: str, cfg: TrainConfig, aux_layers) -> dict:
@@ -578,27 +605,66 @@ def _collate(records: list[dict], idx: list[int], t2d_index: torch.Tensor, steps
     return None if feats is None else feats.to(device), tokens.to(device), tgt.to(device), tgt_p.to(device)
 
 
-def _online_features(model, records: list[dict], idx: list[int], aux_layers, device) -> torch.Tensor:
-    """``features [B, T, F]`` of one batch (``--features online``): the aux hidden states ``generate``
-    would have recorded, from one parallel forward of the target over each sequence's pair positions
-    0..T-1, right-padded (a causal row never sees the pad after it; padded rows are never read). Run in
-    sub-batches of at most :data:`ONLINE_HIDDEN_BUDGET` hidden-state elements, since
-    ``output_hidden_states`` keeps every layer's rows; only the last position's logits are formed."""
-    recs = [records[i] for i in idx]
-    B, T = len(recs), max(len(r["tokens"]) for r in recs) - 1
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    for b, r in enumerate(recs):
-        tokens[b, : len(r["tokens"]) - 1] = r["tokens"][:-1].long()
+def _online_features(model, records: list[dict], batches: list[list[int]], aux_layers, device) -> list[torch.Tensor]:
+    """``features [B_i, T_i, F]`` for each batch of ``batches`` (``--features online``): the aux hidden
+    states ``generate`` would have recorded, from parallel forwards of the target over each sequence's pair
+    positions 0..T-1, right-padded (a causal row never sees the pad after it; padded rows are never read).
+
+    Several training steps' batches share each forward (the training loop passes
+    :data:`ONLINE_PREFETCH_STEPS` at a time): at a small target's size a forward's cost is mostly the host's
+    per-layer overhead, not its rows (the eighteenth session's probe: 0.1 s a step for one SmolLM2-shaped
+    forward of 32 rows). Forwards hold at most :data:`ONLINE_HIDDEN_BUDGET` captured elements; the aux layers'
+    outputs are caught by forward hooks on the decoder layers (HF ``hidden_states[i]`` is layer i-1's
+    output), so the other layers' states are never kept, and only the last position's logits are formed.
+    Models whose layers cannot be found that way fall back to ``output_hidden_states``."""
+    rows = [i for idx in batches for i in idx]
+    T = max(len(records[i]["tokens"]) for i in rows) - 1
+    tokens = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, i in enumerate(rows):
+        tokens[b, : len(records[i]["tokens"]) - 1] = records[i]["tokens"][:-1].long()
     here = next(model.parameters()).device  # the target's device; the features go to ``device``
-    per_row = T * int(model.config.hidden_size) * (int(model.config.num_hidden_layers) + 1)
-    rows = max(1, ONLINE_HIDDEN_BUDGET // max(per_row, 1))
+    layers = _decoder_layers(model, aux_layers)
+    hooks_ok = layers is not None
+    per_row = T * int(model.config.hidden_size) * (len(aux_layers) if hooks_ok else int(model.config.num_hidden_layers) + 1)
+    step = max(1, ONLINE_HIDDEN_BUDGET // max(per_row, 1))
     feats = []
     with torch.no_grad():
-        for start in range(0, B, rows):
-            out = model(input_ids=tokens[start : start + rows].to(here), output_hidden_states=True, logits_to_keep=1)
-            feats.append(torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1).to(device, torch.float32))
-            del out
-    return torch.cat(feats)
+        for start in range(0, len(rows), step):
+            x = tokens[start : start + step].to(here)
+            if hooks_ok:
+                caught: dict[int, torch.Tensor] = {}
+                handles = [
+                    layers[i - 1].register_forward_hook(
+                        lambda _m, _a, out, i=i: caught.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+                    for i in sorted(set(aux_layers))
+                ]  # fmt: skip
+                try:
+                    model(input_ids=x, logits_to_keep=1)
+                finally:
+                    for h in handles:
+                        h.remove()
+                states = [caught[i] for i in aux_layers]
+            else:
+                out = model(input_ids=x, output_hidden_states=True, logits_to_keep=1)
+                states = [out.hidden_states[i] for i in aux_layers]
+            feats.append(torch.cat(states, dim=-1).to(device, torch.float32))
+    feats = torch.cat(feats)
+    out, at = [], 0
+    for idx in batches:
+        t = max(len(records[i]["tokens"]) for i in idx) - 1
+        out.append(feats[at : at + len(idx), :t])
+        at += len(idx)
+    return out
+
+
+def _decoder_layers(model, aux_layers):
+    """The target's decoder layer list when every aux index i names layer i-1's output (1 <= i < the layer
+    count: index 0 is the embeddings and the last is the normed output in HF's ``hidden_states``), else None."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None or len(layers) != int(model.config.num_hidden_layers):
+        return None
+    return layers if all(1 <= i < len(layers) for i in aux_layers) else None
 
 
 def _step_loss(head, outs, tgt, tgt_p):
@@ -700,6 +766,7 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
     out.mkdir(parents=True, exist_ok=True)
 
     prompts = ordered_prompts(cfg.prompts, cfg.seed)
+    cfg = dataclasses.replace(cfg, features=_resolve_features(cfg, model, tokenizer, prompts, out / "data", aux_layers))
     identity = _data_identity(model, target_name, cfg, aux_layers)
     online = cfg.features == "online"
     shards = generate_data(model, tokenizer, prompts, out / "data", identity, cfg.max_new_tokens,
@@ -750,6 +817,7 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
         (out / "training.json").write_text(json.dumps(summary, indent=1))
         logger.info("checkpoint at step %d (%s) in %s", step, reason, out)
 
+    prefetched: dict[int, torch.Tensor] = {}  # online features of the coming steps
     bar = tqdm(total=cfg.steps, initial=min(step, cfg.steps), desc="training", unit="step", disable=not progress)
     t_train = time.perf_counter()
     base_seconds = train_seconds
@@ -763,7 +831,15 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
             idx = _batch_at(batches, step, cfg.seed)
             feats, tokens, tgt, tgt_p = _collate(records, idx, t2d_index, cfg.ttt_steps, train_device, online=online)
             if online:
-                feats = _online_features(model, records, idx, aux_layers, train_device)
+                # Windows aligned to multiples of the prefetch: a resumed run pads each step's rows exactly
+                # as an uninterrupted one does.
+                if step not in prefetched:
+                    first = step - step % ONLINE_PREFETCH_STEPS
+                    window = range(first, min(first + ONLINE_PREFETCH_STEPS, cfg.steps))
+                    made = _online_features(model, records, [_batch_at(batches, s, cfg.seed) for s in window],
+                                            aux_layers, train_device)  # fmt: skip
+                    prefetched = dict(zip(window, made))
+                feats = prefetched.pop(step)
             outs = ttt_forward(head, feats, tokens, cfg.ttt_steps)
             loss, losses, accs = _step_loss(head, outs, tgt, tgt_p)
             opt.zero_grad(set_to_none=True)

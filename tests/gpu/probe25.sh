@@ -7,10 +7,13 @@
 # Random weights: the tokens are garbage, the timings are the real shapes'.
 set -u
 export PYTHONUNBUFFERED=1
-pip install -q --no-deps -e . > /dev/null 2>&1
-python3 - <<'EOF'
+REPO=$PWD
+# the install.sh line without the wheel (a bare pip -e . reaches for the network and fails quietly)
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1
+cd /tmp  # the repository root shadows the installed package (top-level ops/)
+python3 - "$REPO" <<'EOF'
 import sys, torch
-sys.path.insert(0, "tests/runtime")
+sys.path.insert(0, sys.argv[1] + "/tests/runtime")
 from test_train_drafter import char_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

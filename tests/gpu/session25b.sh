@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nineteenth session's second device call (carry .gguf/smol.gguf.part.1; the shipped head back in the working
-# tree): SmolLM2 assembled; the head-training daemon started (tests/gpu/train25.sh: 32 samples a prompt with
-# online features, heads A and B, held-out tau, e2e with the best); in the foreground, while the daemon makes
+# tree): SmolLM2 assembled; the head-training daemon started (tests/gpu/train25.sh: 32 samples a prompt,
+# heads A and B, held-out tau, e2e with the best); in the foreground, while the daemon makes
 # data (correctness only), the model GPU tests; then follow the daemon. Later calls: `bash tests/gpu/watch.sh
 # 540` until its stages.log says DONE (each call within 30 s of the last, or the machine and daemon are gone).
 set -u

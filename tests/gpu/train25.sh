@@ -2,12 +2,14 @@
 # Issue 5's tau, the nineteenth session's daemon (start with setsid after tests/gpu/smol_setup.sh has assembled
 # the GGUF; follow with tests/gpu/watch.sh). The seventeenth session's data doubling (8 -> 16 samples a prompt)
 # raised the held-out tau by 0.2 on every tree (CPU 3.068 -> 3.285 on (8, 6, 64); GPU 3.19 -> 3.32); here twice
-# that again, which stored features made too big (16 samples: ~9 GB of float16 hidden states):
-#   data: 32 samples a prompt (24224 sequences, ~4 M generated tokens), --features online (token-only shards,
-#         ~50 B a token; the target recomputes the features in each training step), sampled shards in calls of
-#         3072 rows (4 samples of all 757 prompts: generate is host-bound per step);
-#   A: the shipped recipe (4 training-time-test steps), 6000 steps x 32 (~8 epochs, the shipped head's ~12);
-#   B: the same data and recipe, 9000 steps (is the head under-trained on more data?).
+# that again:
+#   data: 32 samples a prompt (24224 sequences, ~4 M generated tokens), --features stored (~14 GB of float16
+#         hidden states on disk and in each trainer's memory; online features trained 2.4x slower a step in the
+#         eighteenth session's probe, tests/gpu/probe25.sh), sampled shards in calls of 3072 rows (4 samples of
+#         all 757 prompts in one generate call);
+#   A: the shipped recipe (4 training-time-test steps), 4000 steps x 32 (~5 epochs, the shipped head's ~12;
+#      ~0.14 s a step stored, seventeenth session);
+#   B: the same data and recipe, 6000 steps (is the head under-trained on more data?).
 # After A: held-out tau of the shipped head and A on (8, 6, 64); the better goes to /tmp/head (watch.sh splits
 # it into $OUT); SmolLM2 e2e batch 1 with it (plain, (8, 6, 64), (12, 6, 64)). After B: its tau; if it beats the
 # chosen head, it replaces /tmp/head and its (8, 6, 64) row is timed.
@@ -18,7 +20,7 @@ mkdir -p "$P"
 stage() { echo "$(date +%T) $*" >> "$P/stages.log"; }
 COMMON="--target smollm2 --samples-per-prompt ${SAMPLES:-32} --temperature 0.8 --max-new-tokens 256 \
   --gen-batch-size ${GEN_BATCH:-3072} --batch-size 32 --checkpoint-every 500 --draft-vocab 8192 \
-  --weight-decay 0.01 --lr 0.001 --ttt-steps 4 --features online --no-progress --threads 4 ${EXTRA:-}"
+  --weight-decay 0.01 --lr 0.001 --ttt-steps 4 --features ${FEATURES:-stored} --no-progress --threads 4 ${EXTRA:-}"
 TAU="${TAU_ARGS:---prompts 12 --max-new-tokens 256}"
 tau_of() {  # tau_of JSON HEAD -> its (8, 6, 64) tau
   python3 - "$1" "$2" <<'EOF'
@@ -32,14 +34,14 @@ take() {  # take HEAD: it becomes /tmp/head
   cp "$1"/config.json "$1"/model.safetensors /tmp/head/ && { cp "$1"/training.json /tmp/head/ 2>/dev/null || true; }
 }
 
-stage "train A (steps ${STEPS_A:-6000}) + data (samples ${SAMPLES:-32}, gen batch ${GEN_BATCH:-3072}, online features)"
-python3 -m treecompile.cli train-drafter --out /tmp/headA $COMMON --steps ${STEPS_A:-6000} > "$P/trainA.log" 2>&1 &
+stage "train A (steps ${STEPS_A:-4000}) + data (samples ${SAMPLES:-32}, gen batch ${GEN_BATCH:-3072}, ${FEATURES:-stored} features)"
+python3 -m treecompile.cli train-drafter --out /tmp/headA $COMMON --steps ${STEPS_A:-4000} > "$P/trainA.log" 2>&1 &
 A=$!
 # The data are whole once A logs its summary line (train.py: "data: N sequences ..."): B starts then.
 while ! grep -q "treecompile.train: data:" "$P/trainA.log" 2>/dev/null && kill -0 $A 2>/dev/null; do sleep 5; done
-stage "data done: $(ls /tmp/headA/data | wc -l) files, $(du -sh /tmp/headA/data | cut -f1); train B (steps ${STEPS_B:-9000})"
+stage "data done: $(ls /tmp/headA/data | wc -l) files, $(du -sh /tmp/headA/data | cut -f1); train B (steps ${STEPS_B:-6000})"
 mkdir -p /tmp/headB && ln -s /tmp/headA/data /tmp/headB/data  # the same shards, read only
-python3 -m treecompile.cli train-drafter --out /tmp/headB $COMMON --steps ${STEPS_B:-9000} > "$P/trainB.log" 2>&1 &
+python3 -m treecompile.cli train-drafter --out /tmp/headB $COMMON --steps ${STEPS_B:-6000} > "$P/trainB.log" 2>&1 &
 B=$!
 wait $A; stage "train A rc=$?"
 cp /tmp/headA/training.json "$P/trainingA.json" 2>/dev/null

@@ -193,22 +193,33 @@ def test_online_features_equal_what_generate_recorded(monkeypatch, temperature):
     got = train._collate(lean, [0, 1, 2], t2d_index, 2, "cpu", online=True)
     assert got[0] is None and all(torch.equal(g, w) for g, w in zip(got[1:], want[1:]))
     T = want[0].shape[1]
-    monkeypatch.setattr(train, "ONLINE_HIDDEN_BUDGET", T * 32 * 5)  # one sequence per forward
-    feats = train._online_features(model, lean, [0, 1, 2], [2, 2, 1], "cpu")
+    monkeypatch.setattr(train, "ONLINE_HIDDEN_BUDGET", T * 32 * 3)  # one sequence per forward
+    (feats,) = train._online_features(model, lean, [[0, 1, 2]], [2, 2, 1], "cpu")
     assert feats.shape == want[0].shape and feats.dtype == torch.float32
     for b, r in enumerate(records):  # the stored features are float16; padded rows are never read
         n = len(r["tokens"])
         torch.testing.assert_close(feats[b, : n - 1], want[0][b, : n - 1], rtol=2e-3, atol=2e-3)
+    # Several steps' batches in one round of forwards (padded to the longest, cut back to each batch's own
+    # length), with the layer hooks and with HF's output_hidden_states, all budgets: the same features.
+    monkeypatch.setattr(train, "ONLINE_HIDDEN_BUDGET", 1 << 28)
+    split = train._online_features(model, lean, [[1], [0, 2], [1]], [2, 2, 1], "cpu")
+    monkeypatch.setattr(train, "_decoder_layers", lambda *a: None)
+    fallback = train._online_features(model, lean, [[1], [0, 2], [1]], [2, 2, 1], "cpu")
+    for got in (split, fallback):
+        assert [tuple(f.shape) for f in got] == [(1, len(lean[1]["tokens"]) - 1, 96), (2, T, 96), tuple(got[0].shape)]
+        torch.testing.assert_close(got[1], feats[[0, 2]], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got[0], feats[[1], : got[0].shape[1]], rtol=1e-12, atol=1e-12)
 
 
 def test_online_shards_hold_no_features_and_train_like_stored(target_dir, tmp_path, capsys):
-    """The default (``--features online``) keeps shards without hidden states and trains on the same
-    batches, targets and draft vocabulary as ``--features stored``; the two runs' losses agree (their
-    features differ by float16 rounding only), and resuming a directory under the other mode is refused,
-    naming ``features``."""
+    """``--features online`` keeps shards without hidden states and trains on the same batches, targets and
+    draft vocabulary as ``--features stored`` (what ``auto`` picks for data this small); the two runs'
+    losses agree (their features differ by float16 rounding only). Resuming a directory under the other
+    mode is refused, naming ``features``; under ``auto`` it keeps its mode."""
     online, stored = tmp_path / "online", tmp_path / "stored"
-    assert main(cli_args(target_dir, online, 3)) == 0
-    assert main(cli_args(target_dir, stored, 3, "--features", "stored")) == 0
+    sched = ("--schedule-steps", "4")  # the resume below must see the same learning-rate schedule
+    assert main(cli_args(target_dir, online, 3, "--features", "online", *sched)) == 0
+    assert main(cli_args(target_dir, stored, 3, *sched)) == 0
     shards = [torch.load(d / "data" / "gen_00000_00004.pt", weights_only=True) for d in (online, stored)]
     assert all("features" not in r for r in shards[0]["records"])
     assert all("features" in r for r in shards[1]["records"])
@@ -224,6 +235,29 @@ def test_online_shards_hold_no_features_and_train_like_stored(target_dir, tmp_pa
     capsys.readouterr()
     assert main(cli_args(target_dir, online, 4, "--resume", "--features", "stored")) == 2
     assert "features" in capsys.readouterr().err
+    assert main(cli_args(target_dir, online, 4, "--resume", *sched)) == 0  # auto: the data's own mode
+    assert json.loads((online / "training.json").read_text())["features"] == "online"
+    # Resumed at step 3, inside a prefetch window (steps 0..7): equal to an uninterrupted online run.
+    straight = tmp_path / "straight"
+    assert main(cli_args(target_dir, straight, 4, "--features", "online", *sched)) == 0
+    for name, tensor in checkpoint(online)["head"].items():
+        assert torch.equal(tensor, checkpoint(straight)["head"][name]), name
+
+
+def test_auto_features_store_what_fits_and_go_online_otherwise(target_dir, tmp_path, monkeypatch, caplog):
+    """``--features auto`` stores the features when their upper bound fits a quarter of the memory and
+    half the free disk, and goes online when it does not, saying which and why."""
+    real = __import__("os").sysconf
+    monkeypatch.setattr(train.os, "sysconf", lambda name: 1 if name == "SC_PHYS_PAGES" else real(name))
+    with caplog.at_level(logging.INFO, logger="treecompile.train"):
+        assert main(cli_args(target_dir, tmp_path / "no_memory", 1)) == 0
+    assert "features: online (stored ones would take up to" in caplog.text
+    assert json.loads((tmp_path / "no_memory" / "training.json").read_text())["features"] == "online"
+    monkeypatch.setattr(train.os, "sysconf", real)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="treecompile.train"):
+        assert main(cli_args(target_dir, tmp_path / "memory", 1)) == 0
+    assert "features: stored (stored ones would take up to" in caplog.text
 
 
 def test_sampled_shards_share_generate_calls_up_to_the_batch_size():
@@ -388,7 +422,7 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
     assert main(cli_args(target_dir, out, 1)) == 0
     assert main(cli_args(target_dir, out, 2)) == 2  # a checkpoint exists: never silently start over
     assert "pass --resume" in capsys.readouterr().err
-    big = cli_args(target_dir, tmp_path / "big", 1)
+    big = cli_args(target_dir, tmp_path / "memory", 1)
     big[big.index("--draft-vocab") + 1] = "500"
     assert main(big) == 2
     assert "draft_vocab: must be in 1..99" in capsys.readouterr().err
@@ -400,5 +434,5 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
     assert "steps: expected a positive int" in capsys.readouterr().err
     assert main(cli_args(target_dir, tmp_path / "hot", 1, "--samples-per-prompt", "2", "--temperature", "0")) == 2
     assert "temperature: expected a float in (0, 2]" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="features: one of online, stored; got 'disk'"):
+    with pytest.raises(ValueError, match="features: one of auto, online, stored; got 'disk'"):
         train.TrainConfig(out=str(tmp_path / "x"), features="disk").validate()
