@@ -49,6 +49,8 @@ def _add_train(sub) -> None:
                    "'auto' (default) stores them when that fits a quarter of memory and half the free disk")
     p.add_argument("--schedule-steps", type=int, default=None, help="cosine schedule horizon (default --steps)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default 8192)")
+    p.add_argument("--topk-targets", type=int, default=8,
+                   help="the target's top-k log-probs recorded per generated token: the soft targets (default 8)")
     p.add_argument("--ttt-steps", type=int, default=2, help="training-time-test steps after step 0 (default 2)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="checkpoint interval in steps (default 50)")
     p.add_argument("--export-dtype", default="float16", choices=("float16", "bfloat16", "float32"))
@@ -119,7 +121,7 @@ def _run_train(args, argv) -> int:
         batch_size=args.batch_size, lr=args.lr, schedule_steps=args.schedule_steps,
         draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, checkpoint_every=args.checkpoint_every,
         seed=args.seed, resume=args.resume, export_dtype=args.export_dtype, weight_decay=args.weight_decay,
-        freeze_lm_head=args.freeze_lm_head, features=args.features,
+        freeze_lm_head=args.freeze_lm_head, features=args.features, topk_targets=args.topk_targets,
     )  # fmt: skip
     summary = train_drafter(cfg, target_name=args.target, device=args.device or _default_device(),
                             progress=not args.no_progress, argv=argv)  # fmt: skip

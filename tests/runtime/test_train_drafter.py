@@ -211,6 +211,43 @@ def test_online_features_equal_what_generate_recorded(monkeypatch, temperature):
         torch.testing.assert_close(got[0], feats[[1], : got[0].shape[1]], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_next", "bamba"])
+def test_online_features_hooks_equal_hidden_states_across_families(family):
+    """The layer hooks catch HF ``hidden_states[i]`` (layer i-1's output) in other families too, hybrid
+    linear-attention and Mamba layers included: equal to the ``output_hidden_states`` fallback, float64."""
+    import transformers as tf
+
+    small = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=512)  # fmt: skip
+    gdn = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_conv_kernel_dim=4, full_attention_interval=2)  # fmt: skip
+    configs = {
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**small)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**small)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**small, sliding_window=None)),
+        "qwen3_next": lambda: tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
+            **small, **gdn, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
+            num_experts_per_tok=1, mlp_only_layers=[0, 1, 2, 3])),
+        "bamba": lambda: tf.BambaForCausalLM(tf.BambaConfig(
+            **{k: v for k, v in small.items() if k != "head_dim"}, attn_layer_indices=[1], mamba_n_heads=4,
+            mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4)),
+    }  # fmt: skip
+    torch.manual_seed(0)
+    model = configs[family]().to(torch.float64).eval()
+    g = torch.Generator().manual_seed(1)
+    records = [{"tokens": torch.randint(3, 99, (n,), generator=g, dtype=torch.int32), "prompt_len": 2} for n in (7, 4, 9)]
+    aux = [1, 3, 2]
+    assert train._decoder_layers(model, aux) is not None
+    hooked = train._online_features(model, records, [[0, 1], [2]], aux, "cpu")
+    with torch.no_grad():
+        for idx, got in zip([[0, 1], [2]], hooked):
+            for b, i in enumerate(idx):
+                n = len(records[i]["tokens"])
+                out = model(input_ids=records[i]["tokens"][None, :-1].long(), output_hidden_states=True)
+                want = torch.cat([out.hidden_states[j] for j in aux], dim=-1)[0].float()
+                torch.testing.assert_close(got[b, : n - 1], want, rtol=1e-6, atol=1e-6)
+
+
 def test_online_shards_hold_no_features_and_train_like_stored(target_dir, tmp_path, capsys):
     """``--features online`` keeps shards without hidden states and trains on the same batches, targets and
     draft vocabulary as ``--features stored`` (what ``auto`` picks for data this small); the two runs'
@@ -434,5 +471,7 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
     assert "steps: expected a positive int" in capsys.readouterr().err
     assert main(cli_args(target_dir, tmp_path / "hot", 1, "--samples-per-prompt", "2", "--temperature", "0")) == 2
     assert "temperature: expected a float in (0, 2]" in capsys.readouterr().err
+    assert main(cli_args(target_dir, tmp_path / "k0", 1, "--topk-targets", "0")) == 2
+    assert "topk_targets: expected a positive int, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="features: one of auto, online, stored; got 'disk'"):
         train.TrainConfig(out=str(tmp_path / "x"), features="disk").validate()
