@@ -11,13 +11,14 @@ Three stages, each resumable from what it left in the output directory ``DIR``:
    of the host memory and half the free disk of ``DIR``, else ``online``; an existing data directory keeps
    its mode):
 
-   - ``online``: not stored; each training step runs the target once over its batch (one
-     parallel forward, no cache) for them. The data stays small at any target size: stored features cost
-     ``len(aux_layers) * H`` 16-bit values a token (3.5 KB for SmolLM2, 24 KB for an 8B Llama), so millions
-     of tokens of them do not fit a machine's memory or disk, and ``generate`` runs without
-     ``output_hidden_states``. SpecForge's "online" EAGLE-3 training makes the same trade.
+   - ``online``: not stored; the target runs over the training batches (parallel forwards, no cache,
+     8 steps' batches a round: :func:`_online_features`) for them. The data stays small at any target size:
+     stored features cost ``len(aux_layers) * H`` 16-bit values a token (3.5 KB for SmolLM2, 24 KB for an
+     8B Llama), so millions of tokens of them do not fit a machine's memory or disk, and ``generate`` runs
+     without ``output_hidden_states``. SpecForge's "online" EAGLE-3 training makes the same trade.
    - ``stored``: ``generate`` records them too (``output_hidden_states``), so the target never runs twice;
-     the shards hold them in float16.
+     the shards hold them in float16. Faster to train where they fit (an extra forward a step costs more
+     than reading them back: ``_resolve_features``).
 
    A finished shard is never regenerated.
 2. **Draft vocabulary**: the V most frequent tokens the target generated (ties to the lower id), padded
