@@ -10,6 +10,6 @@ bash tests/gpu/smol_setup.sh || exit 3
 [ -f /tmp/models/ready ] || { echo "SmolLM2 not assembled"; exit 3; }
 mkdir -p /tmp/pipe && setsid nohup bash tests/gpu/train25.sh > /tmp/pipe/daemon.log 2>&1 < /dev/null &
 sleep 2
-timeout 240 python3 -m pytest -v -p no:cacheprovider --log-level=WARNING -m gpu tests/models > "$OUT/gpu_models.log" 2>&1
+timeout 200 python3 -m pytest -v -p no:cacheprovider --log-level=WARNING -m gpu tests/models > "$OUT/gpu_models.log" 2>&1
 echo "gpu models rc=$? $(tail -1 "$OUT/gpu_models.log")"; grep -E " (FAILED|ERROR)" "$OUT/gpu_models.log" | head
-bash tests/gpu/watch.sh ${WATCH:-280}
+bash tests/gpu/watch.sh ${WATCH:-270}
