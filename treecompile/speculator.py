@@ -357,7 +357,8 @@ class TreeSpeculator:
             # The whole draft round as one compiled region: the eager glue between the hooks (positions,
             # slots, masks, the tree's bookkeeping: 28 of a SmolLM2 (8, 6, 64) round's 170 kernels in the
             # fourteenth session's table) fuses with them; the hooks' own compiled functions are traced
-            # through. Off by default until the GPU has timed it.
+            # through. Opt-in: GPU-tested, 1.8-2.8% off the 8B draft round, but within the noise end to end
+            # and ~37 s more warm-up (eighteenth session, BENCHMARKS.md).
             compiled = compile_inference(type(self)._draft_round, f"_draft_round_{id(self):x}")
             self._draft_fn = functools.partial(compiled, self)
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too

@@ -303,7 +303,10 @@ def _resolve_features(cfg: TrainConfig, model, tokenizer, prompts: list[str], da
         return mode
     tokens = sum(len(chat_ids(tokenizer, p)) + cfg.max_new_tokens for p in prompts) * cfg.samples_per_prompt
     need = tokens * len(aux_layers) * int(model.config.hidden_size) * 2
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): the disk alone decides
+        memory = float("inf")
     disk = shutil.disk_usage(data_dir.parent if not data_dir.exists() else data_dir).free
     mode = "stored" if need <= min(memory / 4, disk / 2) else "online"
     logger.info("features: %s (stored ones would take up to %.1f GB; a quarter of memory %.1f GB, half the free "
@@ -849,12 +852,12 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
             # The history's loss, from the numbers already read (no second host read of the loss tensor).
-            loss = torch.tensor(sum(STEP_WEIGHT**j * ce for j, ce in enumerate(losses) if not math.isnan(ce)))
+            loss_value = sum(STEP_WEIGHT**j * ce for j, ce in enumerate(losses) if not math.isnan(ce))
             step += 1
             train_seconds = base_seconds + time.perf_counter() - t_train
-            history.append({"step": step, "loss": float(loss.detach()), "ce": losses, "acc": accs, "lr": opt.param_groups[0]["lr"]})
+            history.append({"step": step, "loss": loss_value, "ce": losses, "acc": accs, "lr": opt.param_groups[0]["lr"]})
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc0=f"{accs[0]:.2f}", accN=f"{accs[-1]:.2f}")
+            bar.set_postfix(loss=f"{loss_value:.3f}", acc0=f"{accs[0]:.2f}", accN=f"{accs[-1]:.2f}")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 checkpoint("scheduled")
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 
 import pytest
 import torch
@@ -284,7 +285,7 @@ def test_online_shards_hold_no_features_and_train_like_stored(target_dir, tmp_pa
 def test_auto_features_store_what_fits_and_go_online_otherwise(target_dir, tmp_path, monkeypatch, caplog):
     """``--features auto`` stores the features when their upper bound fits a quarter of the memory and
     half the free disk, and goes online when it does not, saying which and why."""
-    real = __import__("os").sysconf
+    real = os.sysconf
     monkeypatch.setattr(train.os, "sysconf", lambda name: 1 if name == "SC_PHYS_PAGES" else real(name))
     with caplog.at_level(logging.INFO, logger="treecompile.train"):
         assert main(cli_args(target_dir, tmp_path / "no_memory", 1)) == 0
