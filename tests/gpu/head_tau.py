@@ -32,22 +32,24 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     args = p.parse_args()
 
+    from treecompile.bench.e2e import heldout_in_order
     from treecompile.draft_tree import DraftTree
     from treecompile.drafter import EagleDrafter
     from treecompile.models import load_smollm2
-    from treecompile.prompts import CATEGORIES, heldout_prompts
     from treecompile.speculator import TreeSpeculator
     from treecompile.train import chat_ids
 
     trees = [tuple(int(x) for x in t.split(",")) for t in (args.tree or ["4,6,32"])]
     for K, S, N in trees:  # every shape checked before the target loads (a bad last one once lost the others' JSON)
         DraftTree(K, S, N)
+    held_out = heldout_in_order()  # the e2e benchmark's order: its first 12 prompts are these first 12
+    if args.prompts > len(held_out):
+        p.error(f"--prompts: at most {len(held_out)} (the held-out set), got {args.prompts}")
+    texts = held_out[: args.prompts]
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     model, tok = load_smollm2(dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
-    by_cat = [heldout_prompts(c) for c in CATEGORIES]
-    texts = [by_cat[i % len(by_cat)][i // len(by_cat)] for i in range(args.prompts)]
     ids = [torch.tensor([chat_ids(tok, t)], device=dev) for t in texts]
     eos = model.generation_config.eos_token_id
     results = {}
@@ -56,16 +58,17 @@ def main() -> int:
         drafter = EagleDrafter.from_pretrained(head, model)
         spec = TreeSpeculator(model, drafter, topk=K, steps=S, num_nodes=N, max_batch_size=1, max_seq_len=1024,
                               inductor=False)
-        accepted = rounds = 0
+        per_prompt = []  # [accepted tokens, rounds] of each prompt, in order (subsets compare heads prompt by prompt)
         for x in ids:
             out = spec.generate(x, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
             alen = out.accept_lengths[:, 0]
             alen = alen[alen > 0]
-            accepted += int(alen.sum())
-            rounds += int(alen.numel())
+            per_prompt.append([int(alen.sum()), int(alen.numel())])
+        accepted = sum(a for a, _ in per_prompt)
+        rounds = sum(r for _, r in per_prompt)
         key = head if len(trees) == 1 else f"{head}@{K},{S},{N}"
         results[key] = {"tau": accepted / max(rounds, 1), "rounds": rounds, "seconds": time.perf_counter() - t0,
-                        "tree": [K, S, N]}
+                        "tree": [K, S, N], "per_prompt": per_prompt}
         print(f"head {head} tree ({K}, {S}, {N}): tau {results[key]['tau']:.3f} over {rounds} rounds "
               f"({results[key]['seconds']:.0f} s)", flush=True)
         del spec, drafter
