@@ -41,7 +41,8 @@ def _add_train(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--freeze-lm-head", action="store_true",
-                   help="keep the lm_head rows copied from the target (regularizes small data sets)")
+                   help="keep the lm_head rows copied from the target (regularizes small data sets); the export then "
+                   "leaves them out and loading takes them from the target again (config lm_head_from_target)")
     p.add_argument("--features", default="auto", choices=("auto", "online", "stored"),
                    help="where the target's hidden states come from: 'stored' records them during generation "
                    "(float16 in OUT/data, ~3.5 KB a token for SmolLM2, 24 KB for an 8B Llama; fastest training), "

@@ -315,10 +315,18 @@ class EagleDrafter(nn.Module):
         if config.vocab_size != tcfg.vocab_size:
             raise ValueError(f"drafter vocab_size {config.vocab_size} does not match the target's {tcfg.vocab_size}")
         own = "embed_tokens.weight" in state
+        from_target = bool(raw.get("lm_head_from_target", False))
+        if from_target and "lm_head.weight" in state:
+            raise ValueError(f"EAGLE-3 checkpoint {path!r}: config says lm_head_from_target but the file holds "
+                             "lm_head.weight; drop one of them")  # fmt: skip
         head = cls(config, tcfg.hidden_size, aux, embed_tokens=None if own else target.get_input_embeddings(),
                    own_embedding=own)  # fmt: skip
         missing, unexpected = head.load_state_dict(state, strict=False)
         missing = [k for k in missing if not k.startswith("rotary_emb.")]
+        if from_target and "d2t" not in missing:  # the target's own output rows over the draft vocabulary
+            missing.remove("lm_head.weight")
+            with torch.no_grad():
+                head.lm_head.weight.copy_(target_lm_head_rows(target, head.d2t, head.hidden_size))
         if missing or unexpected:
             raise ValueError(f"EAGLE-3 checkpoint {path!r}: missing weights {missing}, unexpected weights {unexpected}")
         param = next(target.parameters())
@@ -483,6 +491,22 @@ class EagleDrafter(nn.Module):
         """Write the draft cache for a chunk of prompt pairs (outputs unused)."""
         T = tokens.shape[1]
         self.forward_rows(cache, self.project(features), tokens, positions, slots, prefix_len, ancestor_mask, T)
+
+
+def target_lm_head_rows(target: nn.Module, d2t: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """``[Vd, H]``: the target's output-embedding rows of the draft vocabulary (``arange(Vd) + d2t``), for a
+    head whose lm_head is the target's own (``"lm_head_from_target"`` in its config). A target without an
+    output embedding of width H is refused by name."""
+    out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    weight = getattr(out, "weight", None)
+    if weight is None or weight.dim() != 2 or weight.shape[1] != hidden_size:
+        shape = None if weight is None else tuple(weight.shape)
+        raise ValueError(f"target: a head with lm_head_from_target needs the target's output embedding [V, {hidden_size}], "
+                         f"got {shape}")  # fmt: skip
+    ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    if int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]:
+        raise ValueError(f"d2t: draft ids must lie in the target's vocabulary 0..{weight.shape[0] - 1}")
+    return weight.detach()[ids.to(weight.device)]
 
 
 def _load_state_dict(path: str) -> dict[str, torch.Tensor]:

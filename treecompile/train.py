@@ -712,15 +712,30 @@ def _trainable(head) -> list[nn.Parameter]:
     return [p for p in head.parameters() if p.requires_grad]
 
 
-def export_head(head, out_dir: Path, dtype: str = "float16") -> None:
-    """Write ``config.json`` + ``model.safetensors`` in the public EAGLE-3 layout."""
+def export_head(head, out_dir: Path, dtype: str = "float16", lm_head_from: torch.nn.Module | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the public EAGLE-3 layout.
+
+    ``lm_head_from``: the target, when the head's lm_head is the target's own output rows over the draft
+    vocabulary (``--freeze-lm-head``). Those rows are then left out of the file and the config says
+    ``"lm_head_from_target": true``; :meth:`EagleDrafter.from_pretrained` takes them from the target again, so
+    the draft vocabulary adds nothing to what ships. A head whose lm_head differs from the target's rows is
+    refused (it would not load back to itself)."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     cast = getattr(torch, dtype)
+    if lm_head_from is not None:
+        from treecompile.drafter import target_lm_head_rows
+
+        rows = target_lm_head_rows(lm_head_from, head.d2t, head.hidden_size)
+        if not torch.equal(rows.float().cpu(), head.lm_head.weight.detach().float().cpu()):
+            raise ValueError("lm_head_from: the head's lm_head is not the target's output rows over its draft "
+                             "vocabulary (was it trained?); export it with its lm_head instead")  # fmt: skip
     state = {}
     for name, t in head.state_dict().items():
         if name.startswith("rotary_emb") or name.startswith("embed_tokens"):
+            continue
+        if lm_head_from is not None and name == "lm_head.weight":
             continue
         t = t.detach().cpu()
         state[name] = (t.to(cast) if t.is_floating_point() else t).contiguous()
@@ -733,6 +748,9 @@ def export_head(head, out_dir: Path, dtype: str = "float16") -> None:
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in head.aux_layers]},
         "torch_dtype": dtype,
     })  # fmt: skip
+    config.pop("lm_head_from_target", None)
+    if lm_head_from is not None:
+        config["lm_head_from_target"] = True
     config.pop("dtype", None)
     tmp = out_dir / f".model.safetensors.tmp-{os.getpid()}"
     save_file(state, str(tmp))
@@ -816,7 +834,7 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
             "aux_layers": list(aux_layers), "history": history, "train_seconds": train_seconds,
             "config": dataclasses.asdict(cfg),
         }, ckpt_path)  # fmt: skip
-        export_head(head, out, cfg.export_dtype)
+        export_head(head, out, cfg.export_dtype, lm_head_from=model if cfg.freeze_lm_head else None)
         summary = _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers)
         (out / "training.json").write_text(json.dumps(summary, indent=1))
         logger.info("checkpoint at step %d (%s) in %s", step, reason, out)

@@ -9,6 +9,8 @@
 #   A: --draft-vocab 12288, the largest that keeps the shipped head under issue 5's 25 MB (24.5 MB in float16);
 #   B: --draft-vocab 16384 (29 MB: not shippable as is; it says whether a bigger vocabulary is worth a head whose
 #      lm_head is the target's own embedding rows, which would ship nothing), beside A on the same shards.
+#   C (WITH_C=1): B's vocabulary with --freeze-lm-head: the lm_head is the target's own rows, left out of the
+#      export (config lm_head_from_target), so it ships at ~10 MB whatever the vocabulary.
 # After each: held-out tau against the shipped head on (8, 6, 64); the best goes to /tmp/head and, when it is not
 # the shipped head, to e2e batch 1 (plain and (8, 6, 64)) once both trainers are done.
 set -u
@@ -44,6 +46,13 @@ mkdir -p /tmp/headB && ln -s /tmp/headA/data /tmp/headB/data  # the same shards,
 python3 -m treecompile.cli train-drafter --out /tmp/headB $COMMON --draft-vocab ${VOCAB_B:-16384} --batch-size 32 --steps ${STEPS_B:-4000} \
   > "$P/trainB.log" 2>&1 &
 B=$!
+C=
+if [ "${WITH_C:-0}" = 1 ]; then  # C: B's vocabulary with the target's own lm_head rows (ships without them)
+  mkdir -p /tmp/headC && ln -s /tmp/headA/data /tmp/headC/data
+  python3 -m treecompile.cli train-drafter --out /tmp/headC $COMMON --draft-vocab ${VOCAB_C:-16384} --freeze-lm-head \
+    --batch-size 32 --steps ${STEPS_C:-4000} > "$P/trainC.log" 2>&1 &
+  C=$!; stage "train C (vocab ${VOCAB_C:-16384}, frozen lm_head) started"
+fi
 wait $A; stage "train A rc=$?"
 cp /tmp/headA/training.json "$P/trainingA.json" 2>/dev/null
 
@@ -55,7 +64,14 @@ cp /tmp/headB/training.json "$P/trainingB.json" 2>/dev/null
 python3 tests/gpu/head_tau.py /tmp/headB $TAU --tree 8,6,64 --json "$P/head_tau_B.json" > "$P/head_tau_B.log" 2>&1
 stage "head_tau B rc=$?: B $(tau_of "$P/head_tau_B.json" /tmp/headB)"
 
-BEST=$(python3 - "$P/head_tau.json" "$P/head_tau_B.json" <<'EOF'
+if [ -n "$C" ]; then
+  wait $C; stage "train C rc=$?"
+  cp /tmp/headC/training.json "$P/trainingC.json" 2>/dev/null
+  python3 tests/gpu/head_tau.py /tmp/headC $TAU --tree 8,6,64 --json "$P/head_tau_C.json" > "$P/head_tau_C.log" 2>&1
+  stage "head_tau C rc=$?: C $(tau_of "$P/head_tau_C.json" /tmp/headC)"
+fi
+
+BEST=$(python3 - "$P/head_tau.json" "$P/head_tau_B.json" "$P/head_tau_C.json" <<'EOF'
 import json, sys
 r = {}
 for path in sys.argv[1:]:

@@ -420,11 +420,22 @@ def test_sampled_continuations_extend_the_data_and_record_the_untempered_target(
     torch.testing.assert_close(top.values.half(), rec["target_logp"], atol=2e-3, rtol=2e-3)
 
 
+def assert_speculates_like_greedy(model, head) -> None:
+    """A short tree-speculated generate with ``head`` equals HF greedy on ``model``."""
+    from treecompile.speculator import TreeSpeculator
+
+    spec = TreeSpeculator(model, head, topk=2, steps=3, num_nodes=6, max_batch_size=1, max_seq_len=128, page_size=16)
+    ids = torch.tensor([train.chat_ids(char_tokenizer(), "hello")])
+    got = spec.generate(ids, max_new_tokens=12, eos_token_id=1).sequences
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              eos_token_id=1, pad_token_id=2)  # fmt: skip
+    assert torch.equal(got, want)
+
+
 def test_exported_head_loads_and_speculates_losslessly(target_dir, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
-
-    from treecompile.speculator import TreeSpeculator
 
     out = tmp_path / "head"
     assert main(cli_args(target_dir, out, 2)) == 0
@@ -441,13 +452,48 @@ def test_exported_head_loads_and_speculates_losslessly(target_dir, tmp_path):
     head = EagleDrafter.from_pretrained(out, model)
     draft_ids = checkpoint(out)["draft_ids"]
     assert torch.equal(torch.arange(40) + head.d2t, draft_ids) and torch.equal(head.t2d.nonzero().flatten(), draft_ids)
-    spec = TreeSpeculator(model, head, topk=2, steps=3, num_nodes=6, max_batch_size=1, max_seq_len=128, page_size=16)
-    ids = torch.tensor([train.chat_ids(char_tokenizer(), "hello")])
-    got = spec.generate(ids, max_new_tokens=12, eos_token_id=1).sequences
-    with torch.no_grad():
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                              eos_token_id=1, pad_token_id=2)  # fmt: skip
-    assert torch.equal(got, want)
+    assert_speculates_like_greedy(model, head)
+
+
+def test_frozen_lm_head_ships_without_it_and_loads_from_the_target(target_dir, tmp_path):
+    """--freeze-lm-head keeps the target's own output rows: the export leaves them out (the draft vocabulary then
+    costs nothing to ship), the config says lm_head_from_target, and from_pretrained takes them from the target
+    again, equal to what was trained with; speculation with the reloaded head is lossless."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from treecompile.drafter import target_lm_head_rows
+
+    out = tmp_path / "head"
+    assert main(cli_args(target_dir, out, 2, "--freeze-lm-head")) == 0
+    assert json.loads((out / "config.json").read_text())["lm_head_from_target"] is True
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys()) and "d2t" in set(f.keys())
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    head = EagleDrafter.from_pretrained(out, model)
+    draft_ids = checkpoint(out)["draft_ids"]
+    assert torch.equal(head.lm_head.weight, model.get_output_embeddings().weight[draft_ids])
+    trained = checkpoint(out)["head"]["lm_head.weight"]  # frozen through training: still the target's rows
+    assert torch.equal(trained, model.get_output_embeddings().weight[draft_ids].float())
+    assert_speculates_like_greedy(model, head)
+    # A head that holds rows and also claims to take them from the target is refused, as is a target without
+    # an output embedding of the head's width, and an export whose lm_head is not the target's rows.
+    config = json.loads((out / "config.json").read_text())
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(out / "model.safetensors"))
+    state["lm_head.weight"] = torch.zeros(40, 32, dtype=torch.float16)
+    save_file(state, str(both / "model.safetensors"))
+    with pytest.raises(ValueError, match="lm_head_from_target"):
+        EagleDrafter.from_pretrained(both, model)
+    with pytest.raises(ValueError, match="target: a head with lm_head_from_target"):
+        target_lm_head_rows(torch.nn.Module(), head.d2t, 32)
+    head.lm_head.weight.data.add_(1.0)
+    with pytest.raises(ValueError, match="lm_head_from: the head's lm_head is not the target's"):
+        train.export_head(head, tmp_path / "bad", lm_head_from=model)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
