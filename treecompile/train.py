@@ -479,7 +479,7 @@ def init_head(model, draft_ids: torch.Tensor, seed: int = 0):
     """A fresh float32 :class:`EagleDrafter` for ``model`` over ``draft_ids``: random ``fc`` and midlayer,
     ``lm_head`` rows and ``norm`` copied from the target (the head learns to produce a state the target's
     own output layer reads)."""
-    from treecompile.drafter import EagleDrafter
+    from treecompile.drafter import EagleDrafter, target_lm_head_rows
 
     head = EagleDrafter.for_target(model, seed=seed, draft_vocab_size=len(draft_ids)).float()
     with torch.no_grad():
@@ -488,7 +488,7 @@ def init_head(model, draft_ids: torch.Tensor, seed: int = 0):
         head.t2d[draft_ids] = True
         out = model.get_output_embeddings()
         if out is not None and out.weight.shape[1] == head.hidden_size:
-            head.lm_head.weight.copy_(out.weight.detach()[draft_ids.to(out.weight.device)].float().cpu())
+            head.lm_head.weight.copy_(target_lm_head_rows(model, head.d2t, head.hidden_size).float().cpu())
         final_norm = getattr(getattr(model, "model", None), "norm", None)
         if final_norm is not None and getattr(final_norm, "weight", None) is not None:
             head.norm.weight.copy_(final_norm.weight.detach().float().cpu())

@@ -27,16 +27,12 @@ def main() -> None:
                 if m:
                     start = text.rfind("@triton", 0, m.start())
                     print(f"==== {path}: kernel {m.group(1)}\n{text[max(start, 0): m.start() + 4000]}\n")
-                for line_no, line in enumerate(text.splitlines()):
+                # each launch with the wrapper lines before it (buffer allocations give the sizes)
+                lines = text.splitlines()
+                for i, line in enumerate(lines):
                     if name in line and ".run(" in line:
-                        print(f"---- {path}:{line_no}: {line.strip()[:400]}")
-                if "def call(" in text and name in text:
-                    # the wrapper's lines around the launch: buffer allocations give the sizes
-                    lines = text.splitlines()
-                    for i, line in enumerate(lines):
-                        if name in line and ".run(" in line:
-                            print("\n".join(l[:300] for l in lines[max(0, i - 12): i + 2]))
-
+                        print(f"---- {path}:{i}")
+                        print("\n".join(l[:300] for l in lines[max(0, i - 12) : i + 2]))
 
 if __name__ == "__main__":
     main()

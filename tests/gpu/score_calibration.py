@@ -101,6 +101,16 @@ def _step_logp(r: dict) -> torch.Tensor:
     return r["scores"] - parent_score
 
 
+def _cumulate(step_scores: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """[C] per-candidate scores summed root to candidate (parents have lower ids: one pass in id order)."""
+    out = step_scores.clone()
+    for c in range(out.numel()):
+        par = int(parents[c])
+        if par >= 0:
+            out[c] = out[c] + out[par]
+    return out
+
+
 BINS = torch.tensor([-8.0, -5.0, -4.0, -3.0, -2.5, -2.0, -1.5, -1.0, -0.7, -0.5, -0.3, -0.2, -0.1, -0.05, -0.02])
 
 
@@ -170,13 +180,7 @@ def analyse(args) -> None:
         sc = torch.tensor(scales[:S])
 
         def scaled(r, sc=sc):
-            w = sc[depth - 1] * r["lp"]
-            out = w.clone()
-            for c in range(w.numel()):
-                par = int(r["parents"][c])
-                if par >= 0:
-                    out[c] = out[c] + out[par]
-            return out
+            return _cumulate(sc[depth - 1] * r["lp"], r["parents"])
 
         report[f"tau_{name}"] = tau(scaled, idx)
     # Calibrated conditionals, 2-fold.
@@ -193,13 +197,7 @@ def analyse(args) -> None:
         table = _fit(samples, S)
 
         def calibrated(r, table=table):
-            w = table[depth - 1, torch.bucketize(r["lp"], BINS)]
-            out = w.clone()
-            for c in range(w.numel()):
-                par = int(r["parents"][c])
-                if par >= 0:
-                    out[c] = out[c] + out[par]
-            return out
+            return _cumulate(table[depth - 1, torch.bucketize(r["lp"], BINS)], r["parents"])
 
         cv.append(dict(default=tau(default, score_on), calibrated=tau(calibrated, score_on),
                        table=table.exp().tolist()))  # fmt: skip
@@ -211,7 +209,7 @@ def analyse(args) -> None:
                                               for r in rounds) / len(rounds)  # fmt: skip
     report["tau_by_nodes"] = {n: sum(_accept(r["scores"], r["ok"], depth, n - 1) for r in rounds) / len(rounds)
                               for n in (16, 32, 48, 64, 96, 128)}  # fmt: skip
-    in_vocab = torch.zeros(int(blob.get("target_vocab", 0)) or 1 << 20, dtype=torch.bool)
+    in_vocab = torch.zeros(blob["target_vocab"], dtype=torch.bool)
     in_vocab[blob["draft_ids"]] = True
     stops = oov = 0
     for pr, rows in zip(blob["prompts"], prompts):

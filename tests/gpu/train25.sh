@@ -15,6 +15,14 @@
 # After A: held-out tau of the shipped head and A on (8, 6, 64); after B: B's. The best of the three goes to
 # /tmp/head (watch.sh splits it into $OUT); only when it is not the shipped head, SmolLM2 e2e batch 1 with it
 # (plain and (8, 6, 64)), once both trainers have finished, so that nothing shares the GPU while it is timed.
+#
+# The twenty-first session's run tests the draft vocabulary instead (the twentieth session's CPU replay,
+# tests/gpu/score_calibration.py: 22% of the paths that stop short of the tree's depth stop at a greedy token
+# outside the 8192-token vocabulary; re-ranking the candidates gains nothing):
+#   VOCAB_A=12288 VOCAB_B=16384 BATCH_B=32 STEPS_B=4000 [WITH_C=1] bash tests/gpu/train25.sh
+# A at 12288 ids is the largest that keeps the shipped head under issue 5's 25 MB (24.5 MB in float16); B at
+# 16384 (29 MB) says whether a bigger vocabulary pays; C (WITH_C=1, VOCAB_C, default 16384) uses --freeze-lm-head,
+# whose export leaves the lm_head out (the target's own rows, config lm_head_from_target): ~10 MB at any size.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 P=${P:-/tmp/pipe}
@@ -22,7 +30,7 @@ SHIPPED=treecompile/heads/smollm2
 mkdir -p "$P"
 stage() { echo "$(date +%T) $*" >> "$P/stages.log"; }
 COMMON="--target smollm2 --samples-per-prompt ${SAMPLES:-32} --temperature 0.8 --max-new-tokens 256 \
-  --gen-batch-size ${GEN_BATCH:-3072} --checkpoint-every 500 --draft-vocab 8192 \
+  --gen-batch-size ${GEN_BATCH:-3072} --checkpoint-every 500 \
   --weight-decay 0.01 --lr 0.001 --ttt-steps 4 --features ${FEATURES:-stored} --no-progress --threads 4 ${EXTRA:-}"
 TAU="${TAU_ARGS:---prompts 12 --max-new-tokens 256}"
 tau_of() {  # tau_of JSON HEAD -> its (8, 6, 64) tau
@@ -37,17 +45,25 @@ take() {  # take HEAD: it becomes /tmp/head
   cp "$1"/config.json "$1"/model.safetensors /tmp/head/ && { cp "$1"/training.json /tmp/head/ 2>/dev/null || true; }
 }
 
-stage "train A (steps ${STEPS_A:-4000} x 32) + data (samples ${SAMPLES:-32}, gen batch ${GEN_BATCH:-3072}, ${FEATURES:-stored} features)"
-python3 -m treecompile.cli train-drafter --out /tmp/headA $COMMON --batch-size 32 --steps ${STEPS_A:-4000} \
+stage "train A (vocab ${VOCAB_A:-8192}, steps ${STEPS_A:-4000} x 32) + data (samples ${SAMPLES:-32}, gen batch ${GEN_BATCH:-3072}, ${FEATURES:-stored} features)"
+python3 -m treecompile.cli train-drafter --out /tmp/headA $COMMON --draft-vocab ${VOCAB_A:-8192} --batch-size 32 --steps ${STEPS_A:-4000} \
   > "$P/trainA.log" 2>&1 &
 A=$!
 # The data are whole once A logs its summary line (train.py: "data: N sequences ..."): B starts then.
 while ! grep -q "treecompile.train: data:" "$P/trainA.log" 2>/dev/null && kill -0 $A 2>/dev/null; do sleep 5; done
-stage "data done: $(ls /tmp/headA/data | wc -l) files, $(du -sh /tmp/headA/data | cut -f1); train B (steps ${STEPS_B:-2000} x 64)"
+stage "data done: $(ls /tmp/headA/data | wc -l) files, $(du -sh /tmp/headA/data | cut -f1); train B (vocab ${VOCAB_B:-8192}, steps ${STEPS_B:-2000} x ${BATCH_B:-64})"
 mkdir -p /tmp/headB && ln -s /tmp/headA/data /tmp/headB/data  # the same shards, read only
-python3 -m treecompile.cli train-drafter --out /tmp/headB $COMMON --batch-size 64 --steps ${STEPS_B:-2000} \
+python3 -m treecompile.cli train-drafter --out /tmp/headB $COMMON --draft-vocab ${VOCAB_B:-8192} --batch-size ${BATCH_B:-64} \
+  --steps ${STEPS_B:-2000} \
   > "$P/trainB.log" 2>&1 &
 B=$!
+C=
+if [ "${WITH_C:-0}" = 1 ]; then  # C: B's vocabulary with the target's own lm_head rows (ships without them)
+  mkdir -p /tmp/headC && ln -s /tmp/headA/data /tmp/headC/data
+  python3 -m treecompile.cli train-drafter --out /tmp/headC $COMMON --draft-vocab ${VOCAB_C:-16384} --freeze-lm-head \
+    --batch-size 32 --steps ${STEPS_C:-4000} > "$P/trainC.log" 2>&1 &
+  C=$!; stage "train C (vocab ${VOCAB_C:-16384}, frozen lm_head) started"
+fi
 wait $A; stage "train A rc=$?"
 cp /tmp/headA/training.json "$P/trainingA.json" 2>/dev/null
 
@@ -59,7 +75,14 @@ cp /tmp/headB/training.json "$P/trainingB.json" 2>/dev/null
 python3 tests/gpu/head_tau.py /tmp/headB $TAU --tree 8,6,64 --json "$P/head_tau_B.json" > "$P/head_tau_B.log" 2>&1
 stage "head_tau B rc=$?: B $(tau_of "$P/head_tau_B.json" /tmp/headB)"
 
-BEST=$(python3 - "$P/head_tau.json" "$P/head_tau_B.json" <<'EOF'
+if [ -n "$C" ]; then
+  wait $C; stage "train C rc=$?"
+  cp /tmp/headC/training.json "$P/trainingC.json" 2>/dev/null
+  python3 tests/gpu/head_tau.py /tmp/headC $TAU --tree 8,6,64 --json "$P/head_tau_C.json" > "$P/head_tau_C.log" 2>&1
+  stage "head_tau C rc=$?: C $(tau_of "$P/head_tau_C.json" /tmp/headC)"
+fi
+
+BEST=$(python3 - "$P/head_tau.json" "$P/head_tau_B.json" "$P/head_tau_C.json" <<'EOF'
 import json, sys
 r = {}
 for path in sys.argv[1:]:
