@@ -43,6 +43,9 @@ def _add_train(sub) -> None:
     p.add_argument("--freeze-lm-head", action="store_true",
                    help="keep the lm_head rows copied from the target (regularizes small data sets); the export then "
                    "leaves them out and loading takes them from the target again (config lm_head_from_target)")
+    p.add_argument("--lm-head-int8", action="store_true",
+                   help="export the lm_head rows as int8 with a scale a row (half the bytes: a bigger --draft-vocab "
+                   "fits a size budget; config lm_head_int8, which only treecompile's loader reads)")
     p.add_argument("--features", default="auto", choices=("auto", "online", "stored"),
                    help="where the target's hidden states come from: 'stored' records them during generation "
                    "(float16 in OUT/data, ~3.5 KB a token for SmolLM2, 24 KB for an 8B Llama; fastest training), "
@@ -122,7 +125,8 @@ def _run_train(args, argv) -> int:
         batch_size=args.batch_size, lr=args.lr, schedule_steps=args.schedule_steps,
         draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, checkpoint_every=args.checkpoint_every,
         seed=args.seed, resume=args.resume, export_dtype=args.export_dtype, weight_decay=args.weight_decay,
-        freeze_lm_head=args.freeze_lm_head, features=args.features, topk_targets=args.topk_targets,
+        freeze_lm_head=args.freeze_lm_head, lm_head_int8=args.lm_head_int8, features=args.features,
+        topk_targets=args.topk_targets,
     )  # fmt: skip
     summary = train_drafter(cfg, target_name=args.target, device=args.device or _default_device(),
                             progress=not args.no_progress, argv=argv)  # fmt: skip

@@ -319,6 +319,12 @@ class EagleDrafter(nn.Module):
         if from_target and "lm_head.weight" in state:
             raise ValueError(f"EAGLE-3 checkpoint {path!r}: config says lm_head_from_target but the file holds "
                              "lm_head.weight; drop one of them")  # fmt: skip
+        if raw.get("lm_head_int8", False):
+            state = dict(state)
+            state["lm_head.weight"] = _dequantize_lm_head(path, state, from_target)
+        elif "lm_head.weight_scale" in state:
+            raise ValueError(f"EAGLE-3 checkpoint {path!r}: the file holds lm_head.weight_scale but the config does "
+                             "not say lm_head_int8")  # fmt: skip
         head = cls(config, tcfg.hidden_size, aux, embed_tokens=None if own else target.get_input_embeddings(),
                    own_embedding=own)  # fmt: skip
         missing, unexpected = head.load_state_dict(state, strict=False)
@@ -491,6 +497,24 @@ class EagleDrafter(nn.Module):
         """Write the draft cache for a chunk of prompt pairs (outputs unused)."""
         T = tokens.shape[1]
         self.forward_rows(cache, self.project(features), tokens, positions, slots, prefix_len, ancestor_mask, T)
+
+
+def _dequantize_lm_head(path: str, state: dict, from_target: bool) -> torch.Tensor:
+    """``lm_head.weight`` int8 ``[V, H]`` x ``lm_head.weight_scale`` ``[V]`` -> float32 ``[V, H]`` (a head
+    exported with ``lm_head_int8``; ``treecompile.train.quantize_rows_int8`` wrote them). Pops the scale."""
+    if from_target:
+        raise ValueError(f"EAGLE-3 checkpoint {path!r}: config says both lm_head_int8 and lm_head_from_target; "
+                         "drop one of them")  # fmt: skip
+    weight, scale = state.get("lm_head.weight"), state.pop("lm_head.weight_scale", None)
+    if weight is None or scale is None or weight.dtype != torch.int8:
+        raise ValueError(f"EAGLE-3 checkpoint {path!r}: config says lm_head_int8 but the file holds "
+                         f"lm_head.weight {None if weight is None else weight.dtype} and "
+                         f"lm_head.weight_scale {None if scale is None else tuple(scale.shape)}; expected int8 rows "
+                         "and one scale a row")  # fmt: skip
+    if weight.dim() != 2 or tuple(scale.shape) != (weight.shape[0],):
+        raise ValueError(f"EAGLE-3 checkpoint {path!r}: lm_head.weight_scale has shape {tuple(scale.shape)}, "
+                         f"expected ({weight.shape[0]},) for lm_head.weight {tuple(weight.shape)}")  # fmt: skip
+    return weight.float() * scale.float()[:, None]
 
 
 def target_lm_head_rows(target: nn.Module, d2t: torch.Tensor, hidden_size: int) -> torch.Tensor:

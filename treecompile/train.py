@@ -101,6 +101,7 @@ class TrainConfig:
     export_dtype: str = "float16"
     max_hours: float | None = None  # stop (checkpointed) after this much training wall time
     freeze_lm_head: bool = False  # keep the target's own output rows: fewer weights to overfit small data
+    lm_head_int8: bool = False  # export the lm_head rows as int8 with a scale a row (a bigger draft vocabulary ships)
     weight_decay: float = 0.0
     features: str = "auto"  # "online": the target runs in each step; "stored": in the data; "auto": stored if it fits
 
@@ -124,6 +125,8 @@ class TrainConfig:
             raise ValueError(f"features: one of {', '.join(FEATURE_MODES)}; got {self.features!r}")
         if self.export_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"export_dtype: one of float16, bfloat16, float32; got {self.export_dtype!r}")
+        if self.lm_head_int8 and self.freeze_lm_head:
+            raise ValueError("lm_head_int8: a frozen lm_head (freeze_lm_head) is not shipped at all; drop one of them")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -712,16 +715,34 @@ def _trainable(head) -> list[nn.Parameter]:
     return [p for p in head.parameters() if p.requires_grad]
 
 
-def export_head(head, out_dir: Path, dtype: str = "float16", lm_head_from: torch.nn.Module | None = None) -> None:
+def quantize_rows_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [V, H]`` -> (int8 ``[V, H]``, float32 scale ``[V]``), symmetric a row: ``q * scale`` is the
+    weight to within half a step of its row's absmax / 127. An all-zero row gets scale 1 (q = 0)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def export_head(head, out_dir: Path, dtype: str = "float16", lm_head_from: torch.nn.Module | None = None,
+                lm_head_int8: bool = False) -> None:
     """Write ``config.json`` + ``model.safetensors`` in the public EAGLE-3 layout.
 
     ``lm_head_from``: the target, when the head's lm_head is the target's own output rows over the draft
     vocabulary (``--freeze-lm-head``). Those rows are then left out of the file and the config says
     ``"lm_head_from_target": true``; :meth:`EagleDrafter.from_pretrained` takes them from the target again, so
     the draft vocabulary adds nothing to what ships. A head whose lm_head differs from the target's rows is
-    refused (it would not load back to itself)."""
+    refused (it would not load back to itself).
+
+    ``lm_head_int8``: write ``lm_head.weight`` [V, H] as int8 with ``lm_head.weight_scale`` [V] (float32, a row's
+    absmax / 127; config ``"lm_head_int8": true``), so the rows cost 1 byte a weight instead of 2 and a larger
+    draft vocabulary fits a size budget. :meth:`EagleDrafter.from_pretrained` dequantizes them. Not the public
+    layout: tools other than treecompile read such a head only after dequantizing."""
     from safetensors.torch import save_file
 
+    if lm_head_int8 and lm_head_from is not None:
+        raise ValueError("lm_head_int8: the lm_head is taken from the target (lm_head_from), so none is written")
     out_dir.mkdir(parents=True, exist_ok=True)
     cast = getattr(torch, dtype)
     if lm_head_from is not None:
@@ -738,6 +759,9 @@ def export_head(head, out_dir: Path, dtype: str = "float16", lm_head_from: torch
         if lm_head_from is not None and name == "lm_head.weight":
             continue
         t = t.detach().cpu()
+        if lm_head_int8 and name == "lm_head.weight":
+            state[name], state["lm_head.weight_scale"] = quantize_rows_int8(t)
+            continue
         state[name] = (t.to(cast) if t.is_floating_point() else t).contiguous()
     config = head.config.to_dict()
     config.update({
@@ -749,8 +773,11 @@ def export_head(head, out_dir: Path, dtype: str = "float16", lm_head_from: torch
         "torch_dtype": dtype,
     })  # fmt: skip
     config.pop("lm_head_from_target", None)
+    config.pop("lm_head_int8", None)
     if lm_head_from is not None:
         config["lm_head_from_target"] = True
+    if lm_head_int8:
+        config["lm_head_int8"] = True
     config.pop("dtype", None)
     tmp = out_dir / f".model.safetensors.tmp-{os.getpid()}"
     save_file(state, str(tmp))
@@ -834,7 +861,8 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
             "aux_layers": list(aux_layers), "history": history, "train_seconds": train_seconds,
             "config": dataclasses.asdict(cfg),
         }, ckpt_path)  # fmt: skip
-        export_head(head, out, cfg.export_dtype, lm_head_from=model if cfg.freeze_lm_head else None)
+        export_head(head, out, cfg.export_dtype, lm_head_from=model if cfg.freeze_lm_head else None,
+                    lm_head_int8=cfg.lm_head_int8)
         summary = _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers)
         (out / "training.json").write_text(json.dumps(summary, indent=1))
         logger.info("checkpoint at step %d (%s) in %s", step, reason, out)
@@ -908,6 +936,7 @@ def _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_second
         "lr": cfg.lr,
         "weight_decay": cfg.weight_decay,
         "freeze_lm_head": cfg.freeze_lm_head,
+        "lm_head_int8": cfg.lm_head_int8,
         "features": cfg.features,
         "data_generation_seconds": None if math.isnan(t_data) else round(t_data, 1),  # NaN: shards of older runs
         "train_seconds": round(train_seconds, 1),

@@ -496,6 +496,71 @@ def test_frozen_lm_head_ships_without_it_and_loads_from_the_target(target_dir, t
         train.export_head(head, tmp_path / "bad", lm_head_from=model)
 
 
+def test_quantize_rows_int8_is_within_half_a_step_of_each_row():
+    """Symmetric per-row int8: every weight comes back within half its row's step (absmax / 127), the row's
+    largest magnitude exactly; an all-zero row stays zero (scale 1, no division by zero)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 19, generator=g, dtype=torch.float64) * torch.logspace(-3, 2, 37, dtype=torch.float64)[:, None]
+    w[5] = 0.0
+    q, scale = train.quantize_rows_int8(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.shape == w.shape and scale.shape == (37,)
+    back = q.double() * scale.double()[:, None]
+    step = w.abs().amax(dim=1) / 127
+    assert (back - w).abs().le(step[:, None] * 0.5 * (1 + 1e-6) + 1e-12).all()
+    assert q.abs().amax(dim=1)[torch.arange(37) != 5].eq(127).all()
+    assert q[5].eq(0).all() and scale[5] == 1.0
+
+
+def test_int8_lm_head_ships_half_the_bytes_and_loads_dequantized(target_dir, tmp_path):
+    """--lm-head-int8 writes the lm_head rows as int8 + one float32 scale a row (config lm_head_int8);
+    from_pretrained dequantizes them to within half a step of the trained rows, and speculation with the
+    reloaded head is lossless. Files that disagree with their config are refused."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "head"
+    assert main(cli_args(target_dir, out, 2, "--lm-head-int8")) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["lm_head_int8"] is True and "lm_head_from_target" not in config
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.int8
+        assert tuple(f.get_tensor("lm_head.weight_scale").shape) == (40,)
+        assert f.get_tensor("fc.weight").dtype == torch.float16  # the rest keeps the export dtype
+    assert json.loads((out / "training.json").read_text())["lm_head_int8"] is True
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    head = EagleDrafter.from_pretrained(out, model)
+    trained = checkpoint(out)["head"]["lm_head.weight"].double()
+    step = trained.abs().amax(dim=1, keepdim=True) / 127
+    assert head.lm_head.weight.dtype == torch.float64
+    assert (head.lm_head.weight - trained).abs().le(step * 0.5 * (1 + 1e-5)).all()
+    assert not torch.equal(head.lm_head.weight, trained)  # it did go through int8
+    assert_speculates_like_greedy(model, head)
+
+    state = load_file(str(out / "model.safetensors"))
+    cases = {  # config lm_head_int8, the file's tensors -> the error
+        "float_rows": (True, {**state, "lm_head.weight": state["lm_head.weight"].half()}, "expected int8 rows"),
+        "no_scale": (True, {k: v for k, v in state.items() if k != "lm_head.weight_scale"}, "expected int8 rows"),
+        "bad_scale": (True, {**state, "lm_head.weight_scale": state["lm_head.weight_scale"][:7]},
+                      r"weight_scale has shape \(7,\), expected \(40,\)"),
+        "unflagged": (False, state, "does not say lm_head_int8"),
+    }  # fmt: skip
+    for name, (flag, tensors, match) in cases.items():
+        bad = tmp_path / name
+        bad.mkdir()
+        cfg = dict(config)
+        if not flag:
+            cfg.pop("lm_head_int8")
+        (bad / "config.json").write_text(json.dumps(cfg))
+        save_file(tensors, str(bad / "model.safetensors"))
+        with pytest.raises(ValueError, match=match):
+            EagleDrafter.from_pretrained(bad, model)
+    with pytest.raises(ValueError, match="lm_head_int8: a frozen lm_head"):
+        train.TrainConfig(out=str(tmp_path / "x"), lm_head_int8=True, freeze_lm_head=True).validate()
+    with pytest.raises(ValueError, match="lm_head_int8: the lm_head is taken from the target"):
+        train.export_head(head, tmp_path / "both_ways", lm_head_from=model, lm_head_int8=True)
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------
 
 
