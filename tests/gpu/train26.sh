@@ -16,7 +16,6 @@
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 P=${P:-/tmp/pipe}
-SHIPPED=treecompile/heads/smollm2
 mkdir -p "$P"
 stage() { echo "$(date +%T) $*" >> "$P/stages.log"; }
 COMMON="--target smollm2 --samples-per-prompt ${SAMPLES:-32} --temperature 0.8 --max-new-tokens 256 \
