@@ -72,11 +72,11 @@ def host_ms(fn, reps: int) -> float:
 
 
 def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profile_dir: str | None = None,
-            fuse: bool = False) -> dict:
+            fuse: bool = False, batch: int = 1) -> dict:
     k, s, n = shape
-    spec = TreeSpeculator(model, drafter, topk=k, steps=s, num_nodes=n, max_batch_size=1, max_seq_len=1024, prefill_chunk=64,
-                          inductor=inductor, fuse_projections=fuse)  # fmt: skip
-    ids = torch.randint(1, 49152, (1, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    spec = TreeSpeculator(model, drafter, topk=k, steps=s, num_nodes=n, max_batch_size=batch, max_seq_len=1024,
+                          prefill_chunk=64, inductor=inductor, fuse_projections=fuse)  # fmt: skip
+    ids = torch.randint(1, 49152, (batch, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     spec.generate(ids, max_new_tokens=32, eos_token_id=[])  # warm-up: compile + capture
     walls = {False: [], True: []}
     for _ in range(3):  # interleaved A/B: rounds read the stop flags after each round, or one round behind
@@ -90,13 +90,13 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
     spec.lookahead = True
     rounds = res.accept_lengths.shape[0]
     # Graph parts on a live state (a fresh request, a few rounds in).
-    st = spec._new_state(1, [40], [ids[0].tolist()], [], 10_000)
+    st = spec._new_state(batch, [40] * batch, [row.tolist() for row in ids], [], 10_000)
     spec._prefill(st, 40)
     for _ in range(3):
         spec._round(st)
-    draft, verify = spec._graphs[1]
+    draft, verify = spec._graphs[batch]
     best = {la: min(w for w, _ in v) for la, v in walls.items()}
-    out = dict(shape=list(shape), inductor=inductor, fuse_projections=fuse, rounds=rounds,
+    out = dict(shape=list(shape), batch=batch, inductor=inductor, fuse_projections=fuse, rounds=rounds,
                tokens=int(res.sequences.shape[1] - 40),
                ms_per_round_sync=best[False] / rounds, ms_per_round_lookahead=best[True] / rounds,
                walls_ms={str(k): [round(w, 2) for w, _ in v] for k, v in walls.items()},
@@ -112,7 +112,7 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
                     graph.replay()
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=70)
-            tag = f"{name}_{k}_{s}_{n}_{'inductor' if inductor else 'eager'}{'_fused' if fuse else ''}"
+            tag = f"{name}_{k}_{s}_{n}_b{batch}_{'inductor' if inductor else 'eager'}{'_fused' if fuse else ''}"
             with open(f"{profile_dir}/{tag}.txt", "w") as f:
                 f.write(f"{tag}: 5 replays\n{table}\n")
     gpu = out["draft_gpu_ms"] * (n > 1) + out["verify_commit_gpu_ms"]
@@ -130,21 +130,29 @@ def main() -> None:
     if "fused-only" in sys.argv[3:]:
         variants = [(True, True)]
     # DRAFT_VOCAB=8192: the shipped SmolLM2 head's draft vocabulary (default: the target's 49152, as before).
+    if os.environ.get("SKINNY_TILES"):  # a skinny_sweep.py JSON: its winners join the measured table first
+        from treecompile.ops.skinny_linear import register_tiles
+
+        with open(os.environ["SKINNY_TILES"]) as f:
+            print(f"registered {register_tiles(json.load(f))} swept shapes", flush=True)
     model, drafter = smollm2_target_and_head(int(os.environ.get("DRAFT_VOCAB", "0")) or None)
     results = []
     for inductor, fuse in variants:
         shapes = os.environ.get("SHAPES", "1,1,1;4,6,32")  # e.g. SHAPES="8,6,64" for one tree
-        for shape in (tuple(int(x) for x in sh.split(",")) for sh in shapes.split(";")):
-            try:
-                with torch.no_grad():
-                    r = profile(model, drafter, shape, inductor, profile_dir=profile_dir if inductor else None, fuse=fuse)
-            except Exception as exc:  # noqa: BLE001 - report and go on to the next config
-                traceback.print_exc()
-                r = dict(shape=list(shape), inductor=inductor, fuse_projections=fuse, error=repr(exc))
-            print(json.dumps(r), flush=True)
-            results.append(r)
-            with open(path, "w") as f:
-                json.dump(results, f, indent=1)
+        batches = [int(b) for b in os.environ.get("BATCHES", "1").split(",")]  # e.g. BATCHES=1,4,16
+        for batch in batches:
+            for shape in (tuple(int(x) for x in sh.split(",")) for sh in shapes.split(";")):
+                try:
+                    with torch.no_grad():
+                        r = profile(model, drafter, shape, inductor, profile_dir=profile_dir if inductor else None,
+                                    fuse=fuse, batch=batch)  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 - report and go on to the next config
+                    traceback.print_exc()
+                    r = dict(shape=list(shape), batch=batch, inductor=inductor, fuse_projections=fuse, error=repr(exc))
+                print(json.dumps(r), flush=True)
+                results.append(r)
+                with open(path, "w") as f:
+                    json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ programmatic dependent launches (each call's programs start while the previous c
 shipped choice (the table's tiles, or the default), then split-K (2-8 splits a slice) over the shipped tiles,
 a wider and a narrower slice, and for <= 8 rows the gemv kernel as a dependent launch. Rows carry
 ``best.split_k``.
+
+    python3 tests/gpu/skinny_sweep.py out.json rows|rows-smoke [ROWS]   # ROWS: "96,128,256" (default)
+
+``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
+rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
+carry ``best.block_m``, which ``register_tiles`` keeps for that band.
 """
 
 import dataclasses
@@ -90,19 +96,25 @@ def main() -> None:
     quick, full = mode == "quick", mode in ("full", "smoke")
     gemv = mode in ("gemv", "gemv-smoke")
     splitk = mode in ("splitk", "splitk-smoke")
+    batch_rows = mode in ("rows", "rows-smoke")
     cases = CASES
+    if batch_rows:  # argv[3]: the row counts (default 96,128,256: 4 x 24, 4 x 32 / 16 x 8, 16 x 16 nodes)
+        rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "96,128,256").split(",")]
+        cases = [(m, *sh) for m in rows for sh in SMOL + [("smol lm_head", 49152, 576)]]
     if splitk:  # argv[3]: the row counts to sweep (default 1,4,64)
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "1,4,64").split(",")]
         cases = sorted((c for c in CASES if c[0] in rows and c[1].startswith("8b") and c[1] != "8b lm_head"),
                        key=lambda c: -c[2] * c[3])  # fmt: skip
     if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
         cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
-    if mode in ("smoke", "gemv-smoke", "splitk-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
         global DEVICE, DTYPE, L2_BYTES
         # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
         if gemv:
             cases = [(1, "smoke a", 40, 72), (3, "smoke c", 24, 64)]
+        if batch_rows:
+            cases = [(70, "smoke r", 24, 64)]
     torch.manual_seed(0)
     results = []
     t0 = time.time()
@@ -148,6 +160,14 @@ def main() -> None:
             # L2 hints of the first weight tiles before the dependency wait, on the shipped choice
             for tiles_ahead in (2, 4, 8):
                 sweep.append(dataclasses.replace(default, l2_prefetch=tiles_ahead))
+        if batch_rows:  # the row block too; the other loop below then adds nothing
+            block_ms = (32, 64) if mode == "rows-smoke" else (32, 64, 128)
+            block_ns = (16,) if mode == "rows-smoke" else (16, 32, 64)
+            for bm, bn, bk, stages in itertools.product(block_ms, block_ns, (64, 128), (3, 4)):
+                if bk <= max(16, 1 << (K - 1).bit_length()):
+                    sweep.append(choose_skinny_config(M, N, K, block_m=bm, block_n=bn, block_k=bk, num_warps=4,
+                                                      num_stages=stages))  # fmt: skip
+            grid = []
         for bn, bk, warps, stages in grid:
             if bk > max(16, 1 << (K - 1).bit_length()):
                 continue

@@ -85,8 +85,16 @@ def test_smoke_tau_and_accept_lengths_add_up(smoke):
         assert sum(k * v for k, v in hist.items()) == r["new_tokens"] - r["prompts"]
         assert sum(hist.values()) == r["rounds"] > 0
         assert r["tau"] == pytest.approx((r["new_tokens"] - r["prompts"]) / r["rounds"])
+        # Every batch ran at least as many rounds as its requests needed; the slots add up to the rounds.
+        batches = -(-PROMPTS // r["batch_size"])
+        assert len(r["batch_rounds"]) == batches and min(r["batch_rounds"]) >= 1
+        assert r["rounds"] <= sum(r["batch_rounds"]) * r["batch_size"]
+        assert r["occupancy"] == pytest.approx(r["rounds"] / (sum(r["batch_rounds"]) * r["batch_size"]))
+        assert 0 < r["occupancy"] <= 1
         if r["config"] == "tc_plain":
             assert set(hist) == {1}
+            # No EOS in the smoke target: every request takes MAX_NEW - 1 rounds, so no slot idles.
+            assert r["batch_rounds"] == [MAX_NEW - 1] * batches and r["occupancy"] == 1.0
         else:
             assert min(hist) >= 1 and max(hist) <= r["tree"][1] + 1  # the root, then one token per depth
             saw_accepted_draft |= max(hist) > 1

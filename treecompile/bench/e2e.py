@@ -276,6 +276,11 @@ class Row:
     tau: float | None = None
     rounds: int | None = None
     accept_hist: dict | None = None
+    # A batch runs until its last request stops: rounds each batch ran (first pass), and the share of
+    # (request, round) slots in which a request still ran. 1.0 when every request of a batch needs as many
+    # rounds; trees spread that need more than plain decode does (a request's tau varies by prompt).
+    batch_rounds: list | None = None
+    occupancy: float | None = None
     reference: str | None = None
     matches: int | None = None
     outputs_match: bool | None = None
@@ -416,7 +421,7 @@ class E2EBench:
         _say(f"batch {b} {config.name}: warm-up {row.warmup_s:.1f} s")
         walls = []
         for repeat in range(s.repeats):  # greedy: every pass emits the same tokens; the first is kept
-            outputs, alens, wall = [], [], 0.0
+            outputs, alens, wall, brounds, slots = [], [], 0.0, [], 0
             for ids, mask in batches:
                 sync(device)
                 t = time.perf_counter()
@@ -426,10 +431,12 @@ class E2EBench:
                 outputs.extend(trim_at_eos(list(x), self.eos) for x in tokens)
                 if accept is not None:
                     alens.append(running_accept_lengths(accept).cpu())
+                    brounds.append(int(accept.shape[0]))
+                    slots += int(accept.shape[0]) * int(accept.shape[1]) if accept.dim() == 2 else 0
             walls.append(wall)
             if repeat == 0:
-                first = outputs, alens
-        outputs, alens = first
+                first = outputs, alens, brounds, slots
+        outputs, alens, brounds, slots = first
         row.prompts = len(outputs)
         row.new_tokens = sum(len(x) for x in outputs)
         row.wall_s = statistics.median(walls)
@@ -441,6 +448,8 @@ class E2EBench:
             row.tau = float(alen.float().mean()) if alen.numel() else None
             values, counts = torch.unique(alen, return_counts=True)
             row.accept_hist = {int(v): int(c) for v, c in zip(values, counts)}
+            row.batch_rounds = brounds
+            row.occupancy = row.rounds / slots if slots else None
         self.outputs[(config.name, b)] = outputs
         self._derive()
 
@@ -505,19 +514,23 @@ def _num(value, fmt: str = ".1f", suffix: str = "") -> str:
 
 def format_table(result: dict) -> str:
     lines = [
-        "| batch | config | tokens/s | tau | vs tc plain | vs HF compile | match | new tokens | wall s | warm-up s |",
-        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| batch | config | tokens/s | tau | occupancy | vs tc plain | vs HF compile | match | new tokens | wall s "
+        "| warm-up s |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in sorted(result["rows"], key=lambda r: r["batch_size"]):  # stable: run order within a batch size
         if r["error"] is not None:
-            lines.append(f"| {r['batch_size']} | {r['config']} | fail: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['batch_size']} | {r['config']} | fail: {r['error']} | | | | | | | | |")
             continue
         match = "-" if r["matches"] is None else f"{r['matches']}/{r['prompts']}"
         lines.append(
             f"| {r['batch_size']} | {r['config']} | {_num(r['tokens_per_s'])} | {_num(r['tau'], '.2f')} "
+            f"| {_num(r.get('occupancy'), '.2f')} "
             f"| {_num(r['speedup_vs_tc_plain'], '.2f', 'x')} | {_num(r['speedup_vs_hf_compile'], '.2f', 'x')} "
             f"| {match} | {r['new_tokens']} | {_num(r['wall_s'], '.2f')} | {_num(r['warmup_s'])} |"
         )
+    lines += ["", "occupancy: the share of (request, round) slots in which a request still ran (a batch runs until "
+              "its last request stops)"]
     refs = sorted({r["reference"] for r in result["rows"] if r.get("reference")})
     if refs:
         lines += ["", f"match: sequences equal to the plain greedy output of {' / '.join(refs)} at the same batch size"]
