@@ -1,4 +1,5 @@
-"""``F.linear`` for few rows: a Triton GEMM tiled for M <= 64 (decode, draft lanes, small verify trees).
+"""``F.linear`` for few rows: a Triton GEMM tiled for M <= 256 (decode, draft lanes, verify trees, and the
+verify of a small batch of trees).
 
 Why it exists: on the H200 cuBLAS runs the small-row GEMMs of a round as ``nvjet`` kernels that cost a fixed
 ~3.3-4.2 us each whatever the bytes (notes/gpu-2026-12-01-s9, SmolLM2 shapes: [1, 576] x [576, 960] 3.9 us,
@@ -9,7 +10,12 @@ program per slice, the reduction dim streamed in BLOCK_K chunks, has a short pro
 programs in flight. Whether it wins, and with which tiles, is measured by ``tests/gpu/skinny_sweep.py`` on
 cold weights (each call reads a different copy, as a forward does).
 
-Two kernels: the MMA tiles above (16-64 rows), and for <= 8 rows a multiply-add "gemv" kernel (no 16-row
+Past 64 rows (a batch of trees: 4 requests x 24 nodes is 96 verify rows) the MMA tiles repeat over row blocks
+(``block_m`` 64 unless a measured entry says otherwise; each row block rereads its weight slice, from L2). Those
+shapes run the kernel only where ``tests/gpu/skinny_sweep.py out.json rows`` measured it faster than cuBLAS,
+like every other shape: until then they stay on cuBLAS.
+
+Two kernels: the MMA tiles above (16-256 rows), and for <= 8 rows a multiply-add "gemv" kernel (no 16-row
 MMA padding; 4-8 wide output slices, so a 576-wide layer still has 144 programs), optionally launched as a
 programmatic dependent launch: its programs become resident while the previous kernel drains (SmolLM2's
 1-row o projection: 3.35 us cuBLAS, 2.24 us gemv, 1.99 us gemv_pdl).
@@ -29,7 +35,7 @@ entry has it) until timed on the GPU.
 
 Shapes
 ------
-x      [M, K]  float16 / bfloat16 / float32; 1 <= M <= MAX_ROWS; last dim contiguous, any row stride
+x      [M, K]  float16 / bfloat16 / float32; 1 <= M <= MAX_ROWS (256); last dim contiguous, any row stride
 weight [N, K]  x's dtype, contiguous (an ``nn.Linear`` weight, or a view of rows of one)
 bias   [N] or None, any stride
 out    [M, N]  x's dtype; accumulated in float32 (float32 inputs: IEEE products, no TF32)
@@ -63,7 +69,8 @@ __all__ = [
     "measured_tiles", "register_tiles", "gemv_config", "MAX_ROWS", "GEMV_MAX_ROWS",
 ]
 
-MAX_ROWS = 64
+MAX_ROWS = 256
+ROW_BLOCK = 64  # rows a default MMA tile takes past 64 rows (more rows: more row blocks)
 GEMV_MAX_ROWS = 8  # the multiply-add (gemv) kernel's rows: its accumulator is [BLOCK_M, BLOCK_N, BLOCK_K]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -219,8 +226,9 @@ KINDS = ("dot", "gemv", "gemv_pdl")
 
 
 def _band(M: int) -> int:
-    """Row counts that share tiles: 1 (decode), 2-16 (draft lanes, tiny trees: one 16-row tile), 17-64."""
-    return 0 if M == 1 else 1 if M <= 16 else 2
+    """Row counts that share tiles: 1 (decode), 2-16 (draft lanes, tiny trees: one 16-row tile), 17-64 (one
+    tree's verify), 65-256 (a batch of trees' verify: several row blocks)."""
+    return 0 if M == 1 else 1 if M <= 16 else 2 if M <= 64 else 3
 
 
 def register_tiles(rows) -> int:
@@ -242,9 +250,13 @@ def register_tiles(rows) -> int:
             raise ValueError(f"rows: best.split_k must be in 1..{MAX_SPLIT_K}, got {split_k} for {r['M'], r['N'], r['K']}")
         l2_prefetch = int(best.get("l2_prefetch", 0))
         check_l2_prefetch(f"rows: best of {r['M'], r['N'], r['K']}", l2_prefetch)
+        # Past 64 rows the sweep also picks the row block; below, the tile holds every row (block_m from M).
+        block_m = int(best.get("block_m", 0)) if int(r["M"]) > 64 and kind == "dot" else 0
+        if block_m and (block_m < 16 or block_m & (block_m - 1)):
+            raise ValueError(f"rows: best.block_m must be a power of two >= 16, got {block_m} for {r['M'], r['N'], r['K']}")
         _MEASURED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
-            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch,
+            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m,
         )  # fmt: skip
         added += 1
     return added
@@ -262,10 +274,13 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     kind = entry[6] if len(entry) > 6 else "dot"
     split_k = entry[7] if len(entry) > 7 else 1
     l2_prefetch = entry[8] if len(entry) > 8 else 0
+    block_m = entry[9] if len(entry) > 9 else 0
     if us > WIN_MARGIN * cublas_us:
         return None
     tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=split_k,
                  l2_prefetch=l2_prefetch)  # fmt: skip
+    if block_m:
+        tiles["block_m"] = block_m
     if kind != "dot":
         if M > GEMV_MAX_ROWS:  # a gemv measured at fewer rows does not stand in for this many
             return None
@@ -274,10 +289,11 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
 
 
 def choose_skinny_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
-    """Static tiles from the shapes, for shapes the sweep never measured (``measured_tiles`` first): rows in
-    one tile; 16-wide slices of the output features unless that makes more than ~4 programs per SM (132
-    SMs), so small layers get many programs and large ones long K streams."""
-    block_m = max(16, triton.next_power_of_2(M))
+    """Static tiles from the shapes, for shapes the sweep never measured (``measured_tiles`` first): up to 64
+    rows in one tile, more in row blocks of ``ROW_BLOCK``; 16-wide slices of the output features unless that
+    makes more than ~4 programs per SM (132 SMs), so small layers get many programs and large ones long K
+    streams."""
+    block_m = max(16, triton.next_power_of_2(M)) if M <= 64 else ROW_BLOCK
     block_n = 16
     while block_n < 128 and triton.cdiv(N, block_n) > 4 * 132:
         block_n *= 2

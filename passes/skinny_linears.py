@@ -1,8 +1,8 @@
-"""Run the target's few-row CUDA linears through ``treespec::skinny_linear`` (Triton tiles for M <= 64).
+"""Run the target's few-row CUDA linears through ``treespec::skinny_linear`` (Triton tiles for M <= 256).
 
 Runs only when the binding asks for it (``TargetBinding(skinny_linears=True)``, from
 ``TreeSpeculator(skinny_linears=...)``). Every ``linear(x, w, b)`` call whose input is a 16-bit CUDA tensor
-with at most 64 rows (the product of its static leading dims: a round's B x T), whose weight has a
+with at most 256 rows (the product of its static leading dims: a round's B x T), whose weight has a
 contiguous last dim, and whose shape the H200 sweep measured faster on Triton tiles than on cuBLAS
 (``measured_tiles``; unmeasured shapes stay on cuBLAS, ``register_tiles`` adds a sweep of your own) becomes
 

@@ -377,7 +377,7 @@ class EagleDrafter(nn.Module):
 
     def skinny_linears(self) -> None:
         """Run the head's GEMMs (its ``nn.Linear`` modules and the fused q/k/v and gate/up weights) through
-        :func:`treecompile.ops.skinny_linear.linear_rows`: Triton tiles for 16-bit CUDA inputs of <= 64 rows
+        :func:`treecompile.ops.skinny_linear.linear_rows`: Triton tiles for 16-bit CUDA inputs of <= 256 rows
         (a draft step's K lanes), ``F.linear`` otherwise. Idempotent."""
         from treecompile.ops.skinny_linear import linear_rows
 

@@ -1,5 +1,5 @@
 """treespec::skinny_linear: the Triton kernel (interpreter on CPU, the device on GPU) against a float64
-F.linear, over row counts 1..64, K not a multiple of the tile, N not a multiple of the slice, biases, strided
+F.linear, over row counts 1..256 (past 64: several row blocks), K not a multiple of the tile, N not a multiple of the slice, biases, strided
 rows, and the op's boundary checks. Outputs are poisoned with NaN so an unwritten element fails. bfloat16 runs
 on the GPU only: the Triton 3.x interpreter's tl.dot misreads bfloat16 operands (a 16 x 16 bf16 dot there is off
 by ~1e10; float16 and float32 are exact), the GPU is not affected."""
@@ -40,6 +40,44 @@ def test_matches_float64_linear(dtype, M, N, K, bias):
     out = poisoned((M, N), dtype)
     _launch_skinny_linear(x, w, b, out)
     _check(out, x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("M,N,K,bias,block_m", [(65, 24, 40, True, None), (96, 33, 72, False, None),
+                                                (130, 20, 50, True, 32), (256, 17, 64, False, 128)])  # fmt: skip
+def test_a_batch_of_trees_runs_in_row_blocks(dtype, M, N, K, bias, block_m):
+    """Past 64 rows (a batch of trees' verify) the tiles repeat over row blocks (64 by default; a measured
+    entry may pick another): the last block is partial, every row and column is written once."""
+    from treecompile.ops.skinny_linear import ROW_BLOCK
+
+    x, w, b = _inputs(M, N, K, dtype, bias, seed=M + N)
+    cfg = choose_skinny_config(M, N, K) if block_m is None else choose_skinny_config(M, N, K, block_m=block_m)
+    assert cfg.block_m == (block_m or ROW_BLOCK) and M > cfg.block_m  # several row blocks
+    out = poisoned((M, N), dtype)
+    _launch_skinny_linear(x, w, b, out, config=cfg)
+    _check(out, x, w, b)
+
+
+def test_batch_rows_stay_on_cublas_until_measured(monkeypatch):
+    """A 65-256-row shape uses the Triton tiles only from a measurement of its own band: the 64-row entries
+    (one tree's verify) do not stand in for a batch of trees. A band-3 sweep row brings its row block."""
+    from treecompile.ops import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "_MEASURED", dict(skinny_linear._MEASURED))
+    assert skinny_linear.measured_tiles(64, 960, 576) is not None  # SmolLM2's fused qkv, one tree
+    assert skinny_linear.measured_tiles(96, 960, 576) is None  # four trees of 24 nodes: not swept yet
+    row = dict(M=128, N=960, K=576, cublas_us=6.0, best=dict(block_m=128, block_n=32, block_k=64, warps=4,
+                                                             stages=3, us=4.0))  # fmt: skip
+    assert skinny_linear.register_tiles([row]) == 1
+    cfg = skinny_linear.measured_tiles(96, 960, 576)  # the nearest swept M of the band stands in
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.gemv) == (128, 32, 64, False)
+    assert skinny_linear.measured_tiles(64, 960, 576).block_m == 64  # band 2 keeps one tile of every row
+    row["best"] = dict(row["best"], us=6.0)  # no faster than cuBLAS: stays there
+    skinny_linear.register_tiles([row])
+    assert skinny_linear.measured_tiles(96, 960, 576) is None
+    row["best"] = dict(row["best"], us=4.0, block_m=48)
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        skinny_linear.register_tiles([row])
 
 
 @pytest.mark.parametrize("block_m,block_n,block_k", [(16, 16, 16), (32, 32, 64), (64, 16, 32)])
@@ -212,7 +250,7 @@ def test_op_on_cpu_is_the_reference_and_traces():
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda: (torch.zeros(65, 8), torch.zeros(4, 8), None), f"1..{MAX_ROWS} rows"),
+        (lambda: (torch.zeros(MAX_ROWS + 1, 8), torch.zeros(4, 8), None), f"1..{MAX_ROWS} rows"),
         (lambda: (torch.zeros(0, 8), torch.zeros(4, 8), None), "rows"),
         (lambda: (torch.zeros(2, 8), torch.zeros(4, 9), None), r"weight: expected \[N, K=8\]"),
         (lambda: (torch.zeros(2, 8), torch.zeros(4, 8, dtype=torch.float16), None), "weight: expected dtype"),

@@ -128,10 +128,24 @@ def test_a_weight_computed_in_the_graph_is_not_marked_constant(cpu_counts):
     torch.testing.assert_close(gm(x, w1)[0], F.linear(x.relu(), w1 * 2))
 
 
-def test_more_than_64_rows_float32_and_cpu_stay_linear(cpu_counts, monkeypatch):
-    args = inputs(65)
+def test_batch_rows_need_their_own_measurement_and_past_256_stay_linear(cpu_counts, monkeypatch):
+    """65-256 rows (a batch of trees) are rewritten only once their band was measured; > 256 never."""
+    args = inputs(65)  # the 64-row entries do not stand in
     gm = skinny_linears(capture(three_linears, *args), ON)
     assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
+    for N, K in ((48, 32), (24, 48), (8, 24)):
+        skinny_op._MEASURED[(128, N, K)] = (16, 32, 4, 3, 3.0, 4.0, "dot", 1, 0, 64)
+    (want,) = capture(three_linears, *args)(*args)
+    gm = skinny_linears(capture(three_linears, *args), ON)
+    assert ops_in(gm).count(torch.ops.treespec.skinny_linear.default) == 2
+    assert torch.equal(gm(*args)[0], want)
+    args = inputs(skinny_op.MAX_ROWS + 1)
+    skinny_op._MEASURED.update({(skinny_op.MAX_ROWS + 1, N, K): (16, 32, 4, 3, 3.0, 4.0) for N, K in ((48, 32), (24, 48))})
+    gm = skinny_linears(capture(three_linears, *args), ON)
+    assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
+
+
+def test_float32_and_cpu_stay_linear(cpu_counts, monkeypatch):
     args = inputs(8, torch.float32)  # float32 keeps cuBLAS (HF's own rounding)
     gm = skinny_linears(capture(three_linears, *args), ON)
     assert torch.ops.treespec.skinny_linear.default not in ops_in(gm)
