@@ -214,7 +214,10 @@ class TreeSpeculator:
     drafter : an :class:`~treecompile.drafter.EagleDrafter` (or anything with its round hooks).
     topk, steps, num_nodes : K candidates per step, S draft steps (step 0 included), N verify nodes.
         ``topk == 1`` is the chain: ``num_nodes`` becomes ``min(num_nodes, steps + 1)`` and
-        ``steps = num_nodes - 1``.
+        ``steps = num_nodes - 1``. A batch verifies B x N rows a round and runs until its slowest request
+        stops, so the tree that pays shrinks with the batch: SmolLM2-135M on the H200 (BENCHMARKS.md, the
+        twenty-fifth session) gains most from (10, 6, 64) / (8, 6, 64) at batch 1 (1.77x plain decode), from
+        (4, 4, 16) at batch 4 (1.80x; (8, 6, 64) only 1.13x), and at batch 16 from none clearly (0.70-1.07x).
     max_batch_size : requests per generate call.
     max_seq_len : keys per request the caches hold; prompt + max_new_tokens + num_nodes must fit.
         Default ``min(max_position_embeddings, 4096)``.
@@ -248,7 +251,7 @@ class TreeSpeculator:
         own ``generate`` are untouched). Default: on for float32 CPU models without Inductor (small-row GEMMs
         are where MKL is slow on the CPU; costs the weights' memory once more), off otherwise; True elsewhere
         is refused.
-    skinny_linears : run the target's and the drafter's 16-bit CUDA linears of <= 64 rows (decode, verify
+    skinny_linears : run the target's and the drafter's 16-bit CUDA linears of <= 256 rows (decode, verify
         trees, draft lanes) through ``treespec::skinny_linear``, Triton tiles instead of cuBLAS, for the shapes
         an H200 sweep measured faster (the rest stay on cuBLAS). Default: on for 16-bit CUDA models, off
         otherwise; True on a CPU or float32 model is refused.
