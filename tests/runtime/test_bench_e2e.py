@@ -91,6 +91,7 @@ def test_smoke_tau_and_accept_lengths_add_up(smoke):
         assert r["rounds"] <= sum(r["batch_rounds"]) * r["batch_size"]
         assert r["occupancy"] == pytest.approx(r["rounds"] / (sum(r["batch_rounds"]) * r["batch_size"]))
         assert 0 < r["occupancy"] <= 1
+        assert r["ms_per_batch_round"] == pytest.approx(r["wall_s"] * 1e3 / sum(r["batch_rounds"]))
         if r["config"] == "tc_plain":
             assert set(hist) == {1}
             # No EOS in the smoke target: every request takes MAX_NEW - 1 rounds, so no slot idles.

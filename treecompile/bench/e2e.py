@@ -281,6 +281,7 @@ class Row:
     # rounds; trees spread that need more than plain decode does (a request's tau varies by prompt).
     batch_rounds: list | None = None
     occupancy: float | None = None
+    ms_per_batch_round: float | None = None  # the median pass's wall over the rounds its batches ran
     reference: str | None = None
     matches: int | None = None
     outputs_match: bool | None = None
@@ -450,6 +451,7 @@ class E2EBench:
             row.accept_hist = {int(v): int(c) for v, c in zip(values, counts)}
             row.batch_rounds = brounds
             row.occupancy = row.rounds / slots if slots else None
+            row.ms_per_batch_round = row.wall_s * 1e3 / sum(brounds) if sum(brounds) else None
         self.outputs[(config.name, b)] = outputs
         self._derive()
 
@@ -514,23 +516,23 @@ def _num(value, fmt: str = ".1f", suffix: str = "") -> str:
 
 def format_table(result: dict) -> str:
     lines = [
-        "| batch | config | tokens/s | tau | occupancy | vs tc plain | vs HF compile | match | new tokens | wall s "
-        "| warm-up s |",
-        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| batch | config | tokens/s | tau | occupancy | ms a round | vs tc plain | vs HF compile | match | new tokens "
+        "| wall s | warm-up s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in sorted(result["rows"], key=lambda r: r["batch_size"]):  # stable: run order within a batch size
         if r["error"] is not None:
-            lines.append(f"| {r['batch_size']} | {r['config']} | fail: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['batch_size']} | {r['config']} | fail: {r['error']} | | | | | | | | | |")
             continue
         match = "-" if r["matches"] is None else f"{r['matches']}/{r['prompts']}"
         lines.append(
             f"| {r['batch_size']} | {r['config']} | {_num(r['tokens_per_s'])} | {_num(r['tau'], '.2f')} "
-            f"| {_num(r.get('occupancy'), '.2f')} "
+            f"| {_num(r.get('occupancy'), '.2f')} | {_num(r.get('ms_per_batch_round'), '.3f')} "
             f"| {_num(r['speedup_vs_tc_plain'], '.2f', 'x')} | {_num(r['speedup_vs_hf_compile'], '.2f', 'x')} "
             f"| {match} | {r['new_tokens']} | {_num(r['wall_s'], '.2f')} | {_num(r['warmup_s'])} |"
         )
     lines += ["", "occupancy: the share of (request, round) slots in which a request still ran (a batch runs until "
-              "its last request stops)"]
+              "its last request stops); ms a round: wall over the rounds the batches ran (prefill included)"]
     refs = sorted({r["reference"] for r in result["rows"] if r.get("reference")})
     if refs:
         lines += ["", f"match: sequences equal to the plain greedy output of {' / '.join(refs)} at the same batch size"]
