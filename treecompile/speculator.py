@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 from typing import Sequence
@@ -204,6 +205,13 @@ def packed_linears_default(
     return bool(packed_linears)
 
 
+# The round buffers that hold one row per request (``_bind_buffers``): a batch shrink gathers them.
+_REQUEST_BUFFERS = (
+    "history", "vc", "dvc", "root", "pend_feat", "pend_tok", "pend_n", "lane_tokens", "tree_tokens", "prompt_len",
+    "n_gen", "running", "emitted", "out", "pre_first", "pre_feat",
+)
+
+
 class TreeSpeculator:
     """Greedy tree speculation over an HF causal LM and an EAGLE-style drafter.
 
@@ -258,6 +266,12 @@ class TreeSpeculator:
     lookahead : with CUDA graphs, launch each round before reading the previous round's stop flags, so the
         GPU does not wait for the host between rounds (one extra round, which commits nothing, runs after
         the last request stops). False reads the flags after every round (for A/B timing).
+    shrink_batch : as requests of a batch stop, move the ones still running onto a smaller batch size that
+        this speculator has already run (its compiled code and, with CUDA graphs, its captured rounds), so
+        the tail of a batch stops paying for finished rows; nothing compiles or captures mid-request. Page
+        tables and linear-attention state rows are permuted in place, not copied. Default: on without CUDA
+        graphs; off with them until timed on the GPU (a static batch waits for its slowest request:
+        BENCHMARKS.md, twenty-fifth session).
     """
 
     def __init__(
@@ -283,6 +297,7 @@ class TreeSpeculator:
         packed_linears: bool | None = None,
         skinny_linears: bool | None = None,
         lookahead: bool = True,
+        shrink_batch: bool | None = None,
     ) -> None:
         topk = _positive_int("topk", topk)
         steps = _positive_int("steps", steps)
@@ -373,6 +388,10 @@ class TreeSpeculator:
             raise ValueError("cuda_graphs: needs the model on a CUDA device")
         self.cuda_graphs = cuda_graphs
         self.lookahead = bool(lookahead)
+        self.shrink_batch = (not cuda_graphs) if shrink_batch is None else bool(shrink_batch)
+        self.shrinks = 0  # batch shrinks so far (all generate calls)
+        # A shrink permutes page-table rows: a drafter whose cache is not a PagedKVCache keeps its batch.
+        self._shrinkable = all(hasattr(c, "page_table") and hasattr(c, "lengths") for c in (self.draft_cache,))
         self._graphs: dict[int, tuple] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[int, dict] = {}
@@ -516,16 +535,32 @@ class TreeSpeculator:
         B = len(lengths)
         st = self._new_state(B, lengths, prompts, eos, max_new_tokens)
         self._prefill(st, max(lengths))
-        accept_lengths = self._run_rounds(st)
-        n_gen = st["n_gen"].cpu()
+        st, accept_lengths = self._run_rounds(st)
+        n_gen, out = self._results(st, B)
         new = int(n_gen.max())
-        out = st["out"][:, :new].cpu()
+        out = out[:, :new]
         col = torch.arange(new)
         out = torch.where(col[None, :] < n_gen[:, None], out, torch.full_like(out, pad))
         sequences = torch.cat([input_ids.detach().to("cpu", torch.int64), out], dim=1).to(input_ids.device)
-        accepted = torch.stack(accept_lengths).cpu() if accept_lengths else torch.zeros(0, B, dtype=torch.int64)
+        accepted = torch.zeros(len(accept_lengths), B, dtype=torch.int64)
+        r = 0
+        for requests, phase in itertools.groupby(accept_lengths, key=lambda item: item[1]):  # one batch size each
+            counts = torch.stack([emitted for emitted, _ in phase]).cpu()  # one copy a phase, not one a round
+            accepted[r : r + len(counts), requests] = counts
+            r += len(counts)
         self._state = None
         return GenerateOutput(sequences=sequences, accept_lengths=accepted)
+
+    def _results(self, st, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generated counts ``[B]`` and tokens ``[B, cap]`` (host) by original request: the rows still in the
+        state, and those a batch shrink left behind (saved when it did)."""
+        n_gen = torch.zeros(B, dtype=torch.int64)
+        out = torch.zeros(B, st["out"].shape[1], dtype=torch.int64)
+        here = st["requests"]
+        n_gen[here], out[here] = st["n_gen"].cpu(), st["out"].cpu()
+        for request, (n, row) in st["left"].items():
+            n_gen[request], out[request] = n.cpu(), row.cpu()
+        return n_gen, out
 
     # ---------------------------------------------------------------------------------------------------
     # State, prefill, rounds
@@ -554,7 +589,7 @@ class TreeSpeculator:
         bound["max_new"].fill_(max_new_tokens)
         bound["eos"].copy_(torch.tensor(eos + [-1] * (MAX_EOS_IDS - len(eos)), dtype=torch.int64))
         st = dict(bound)
-        st.update(B=B)
+        st.update(B=B, requests=list(range(B)), left={})
         self._state = st
         return st
 
@@ -687,8 +722,9 @@ class TreeSpeculator:
         logger.info("captured the prefill chunk (%d rows) for batch %d", self.prefill_chunk, B)
         return graph
 
-    def _run_rounds(self, st) -> list[torch.Tensor]:
-        """Rounds until no request runs; returns each round's emitted counts ``[B]`` (device tensors).
+    def _run_rounds(self, st) -> tuple[dict, list]:
+        """Rounds until no request runs; returns the final state (a batch shrink replaces it) and each round's
+        emitted counts with the original requests of its rows: ``[(emitted [B_round], requests), ...]``.
 
         Eager rounds read ``running`` on the host after each round. Once the rounds replay as CUDA graphs
         (``lookahead``), the host launches round r + 1 before it waits for round r's ``running`` flags
@@ -696,23 +732,36 @@ class TreeSpeculator:
         a flag and launches the next replays (H200, SmolLM2 shapes: tree (4, 6, 32) 2.091 -> 1.963 ms a round;
         plain decode and tree (8, 6, 64) within 1%). The one round launched after the last request finished
         commits nothing (every request is stopped, as finished requests of a batch already are) and its
-        all-zero counts are dropped.
+        all-zero counts are dropped. Where the flags allow a smaller batch (``shrink_batch``), the round in
+        flight lands first, then the running requests move (``_shrink``) and the rounds go on there.
         """
-        accepted: list[torch.Tensor] = []
+        accepted: list[tuple[torch.Tensor, list[int]]] = []
+        while True:
+            running = self._rounds_until_shrink(st, accepted)
+            if running is None:
+                return st, accepted
+            st = self._shrink(st, running)
+
+    def _rounds_until_shrink(self, st, accepted: list) -> list[bool] | None:
+        """Rounds at this batch size; None once no request runs, else the host's ``running`` flags at the
+        point where a smaller batch size would do."""
         B = st["B"]
-        while bool(st["running"].any()):  # eager rounds (and the one that captures): one host read each
+        while True:  # eager rounds (and the one that captures): one host read each
+            running = st["running"].tolist()
+            if not any(running):
+                return None
+            if self._shrink_size(B, sum(running)) is not None:
+                return running
             if self.lookahead and B in self._graphs:
                 break
             self._round(st)
-            accepted.append(st["emitted"].clone())
-        else:
-            return accepted
+            accepted.append((st["emitted"].clone(), st["requests"]))
         flags = torch.empty(2, B, dtype=torch.bool, pin_memory=True)
         done = [torch.cuda.Event(), torch.cuda.Event()]
 
         def launch(r: int) -> None:
             self._round(st)
-            accepted.append(st["emitted"].clone())
+            accepted.append((st["emitted"].clone(), st["requests"]))
             flags[r % 2].copy_(st["running"], non_blocking=True)
             done[r % 2].record()
 
@@ -721,11 +770,61 @@ class TreeSpeculator:
         while True:
             launch(r + 1)  # ahead of the flag read below
             done[r % 2].synchronize()
-            if not bool(flags[r % 2].any()):  # round r finished every request: round r + 1 ran for nothing
+            running = flags[r % 2].tolist()
+            if not any(running):  # round r finished every request: round r + 1 ran for nothing
                 accepted.pop()
-                break
+                return None
+            if self._shrink_size(B, sum(running)) is not None:  # round r + 1 ran for real: let it land
+                done[(r + 1) % 2].synchronize()
+                running = flags[(r + 1) % 2].tolist()
+                return running if any(running) else None
             r += 1
-        return accepted
+
+    def _shrink_size(self, B: int, running: int) -> int | None:
+        """The smallest batch size below B that holds ``running`` requests and has already run here (its
+        graphs captured, with CUDA graphs; its buffers bound, without), or None."""
+        if not self.shrink_batch or running >= B or not self._shrinkable:
+            return None
+        ready = self._graphs if self.cuda_graphs else self._buffers
+        sizes = [b for b in ready if running <= b < B]
+        return min(sizes) if sizes else None
+
+    def _shrink(self, st, running: list[bool]) -> dict:
+        """Move the running requests onto the smaller batch size ``_shrink_size`` picks: the first B' rows of
+        the target's and the draft's page tables and of the linear-attention state become theirs (a row
+        permutation in place: no K/V moves), their round buffers are gathered into that size's bound ones,
+        and the requests left behind keep their tokens in ``st["left"]`` for ``_results``."""
+        B = st["B"]
+        B2 = self._shrink_size(B, sum(running))
+        keep = [b for b in range(B) if running[b]]
+        keep += [b for b in range(B) if not running[b]][: B2 - len(keep)]  # stopped rows pad to B2
+        perm = keep + [b for b in range(B) if b not in keep]
+        idx = torch.tensor(perm, dtype=torch.int64, device=self.device)
+        for b in perm[B2:]:
+            st["left"][st["requests"][b]] = (st["n_gen"][b].clone(), st["out"][b].clone())
+        for cache in (self.binding.cache, self.draft_cache):
+            if cache is not None:
+                cache.page_table[:B] = cache.page_table[:B][idx]
+                cache.lengths[:B] = cache.lengths[:B][idx]
+        for t in self.binding.conv_state + self.binding.ssm_state:
+            t[:B] = t[:B][idx]
+        bound = self._buffers.get(B2)
+        if bound is None:
+            bound = self._buffers[B2] = self._bind_buffers(B2)
+        rows = idx[:B2]
+        for name in _REQUEST_BUFFERS:
+            bound[name].copy_(st[name].index_select(0, rows))
+        for name in ("max_new", "eos", "pre_start"):
+            bound[name].copy_(st[name])
+        bound.pop("round", None)
+        bound["spec"].reset_chain()  # a tree is set each round; the chain (topk == 1) is this
+        bound["spec"].positions.zero_()
+        new = dict(bound)
+        new.update(B=B2, requests=[st["requests"][b] for b in keep], left=st["left"])
+        self._state = new
+        self.shrinks += 1
+        logger.debug("batch %d -> %d (%d running)", B, B2, sum(running))
+        return new
 
     def _round(self, st) -> None:
         B = st["B"]

@@ -191,6 +191,7 @@ class Setup:
     fuse_projections: bool = False  # q/k/v and gate/up as one linear each (treecompile rows; from the CLI: on for CUDA)
     skinny_linears: bool | None = None  # treespec::skinny_linear for few-row GEMMs; None: the speculator's default
     lookahead: bool = True  # launch each round before reading the last one's stop flags (CUDA graphs)
+    shrink_batch: bool | None = None  # TreeSpeculator(shrink_batch=...): None keeps its default
     repeats: int = 1  # timed passes over the batches per row; tokens/s from the median pass
     dtype: str | None = None  # SmolLM2's dtype: None is bfloat16 on CUDA, float32 on CPU
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
@@ -325,7 +326,7 @@ class E2EBench:
             **desc, "device": torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else str(s.device),
             "dtype": str(self.dtype).removeprefix("torch."), "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda_graphs": s.device.type == "cuda",
-            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "skinny_linears": s.skinny_linears, "lookahead": s.lookahead, "repeats": s.repeats, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
+            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "skinny_linears": s.skinny_linears, "lookahead": s.lookahead, "shrink_batch": s.shrink_batch, "repeats": s.repeats, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
             "max_new_tokens": s.max_new_tokens, "prompts_requested": s.prompts,
             "prompt_tokens": [len(p) for p in self.prompts], "configs": [c.name for c in s.configs],
         }  # fmt: skip
@@ -350,7 +351,7 @@ class E2EBench:
                                   inductor=self.setup.inductor,
                                   fuse_projections=self.setup.fuse_projections,
                                   skinny_linears=self.setup.skinny_linears,
-                                  lookahead=self.setup.lookahead)  # fmt: skip
+                                  lookahead=self.setup.lookahead, shrink_batch=self.setup.shrink_batch)  # fmt: skip
             if self._shared is None:
                 self._shared = (spec.binding, spec.runner)
             else:
@@ -621,7 +622,7 @@ def _setup_from_args(args) -> Setup:
     return Setup(batch_sizes=batch_sizes, max_new_tokens=max_new, prompts=prompts,
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
                  inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device),
-                 dtype=args.dtype, lookahead=args.lookahead, repeats=args.repeats,
+                 dtype=args.dtype, lookahead=args.lookahead, shrink_batch=args.shrink_batch, repeats=args.repeats,
                  skinny_linears=args.skinny_linears)  # fmt: skip
 
 
@@ -649,6 +650,10 @@ def main(argv: list[str] | None = None) -> int:
                              "instead of cuBLAS (default: TreeSpeculator's, on for 16-bit CUDA models)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed passes over every batch per row; tokens/s from the median pass (default 1)")
+    parser.add_argument("--shrink-batch", action=argparse.BooleanOptionalAction, default=None,
+                        help="move a batch's running requests onto smaller batch sizes already run as others stop "
+                             "(default: the speculator's, on without CUDA graphs; list --batch-sizes smallest "
+                             "first so the smaller sizes exist)")  # fmt: skip
     parser.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                         help="launch each CUDA-graph round before reading the previous round's stop flags (default on)")
     parser.add_argument("--dtype", default=None,
