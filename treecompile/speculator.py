@@ -391,7 +391,7 @@ class TreeSpeculator:
         self.shrink_batch = (not cuda_graphs) if shrink_batch is None else bool(shrink_batch)
         self.shrinks = 0  # batch shrinks so far (all generate calls)
         # A shrink permutes page-table rows: a drafter whose cache is not a PagedKVCache keeps its batch.
-        self._shrinkable = all(hasattr(c, "page_table") and hasattr(c, "lengths") for c in (self.draft_cache,))
+        self._shrinkable = hasattr(self.draft_cache, "page_table") and hasattr(self.draft_cache, "lengths")
         self._graphs: dict[int, tuple] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[int, dict] = {}
@@ -537,8 +537,7 @@ class TreeSpeculator:
         self._prefill(st, max(lengths))
         st, accept_lengths = self._run_rounds(st)
         n_gen, out = self._results(st, B)
-        new = int(n_gen.max())
-        out = out[:, :new]
+        new = out.shape[1]
         col = torch.arange(new)
         out = torch.where(col[None, :] < n_gen[:, None], out, torch.full_like(out, pad))
         sequences = torch.cat([input_ids.detach().to("cpu", torch.int64), out], dim=1).to(input_ids.device)
@@ -552,14 +551,18 @@ class TreeSpeculator:
         return GenerateOutput(sequences=sequences, accept_lengths=accepted)
 
     def _results(self, st, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Generated counts ``[B]`` and tokens ``[B, cap]`` (host) by original request: the rows still in the
-        state, and those a batch shrink left behind (saved when it did)."""
+        """Generated counts ``[B]`` and tokens ``[B, max count]`` (host) by original request: the rows still
+        in the state, and those a batch shrink left behind (saved when it did)."""
         n_gen = torch.zeros(B, dtype=torch.int64)
-        out = torch.zeros(B, st["out"].shape[1], dtype=torch.int64)
-        here = st["requests"]
-        n_gen[here], out[here] = st["n_gen"].cpu(), st["out"].cpu()
-        for request, (n, row) in st["left"].items():
-            n_gen[request], out[request] = n.cpu(), row.cpu()
+        here, left = st["requests"], st["left"]
+        n_gen[here] = st["n_gen"].cpu()
+        for request, (n, _) in left.items():
+            n_gen[request] = n.cpu()
+        new = int(n_gen.max())
+        out = torch.zeros(B, new, dtype=torch.int64)
+        out[here] = st["out"][:, :new].cpu()
+        for request, (_, row) in left.items():
+            out[request] = row[:new].cpu()
         return n_gen, out
 
     # ---------------------------------------------------------------------------------------------------
@@ -808,13 +811,11 @@ class TreeSpeculator:
                 cache.lengths[:B] = cache.lengths[:B][idx]
         for t in self.binding.conv_state + self.binding.ssm_state:
             t[:B] = t[:B][idx]
-        bound = self._buffers.get(B2)
-        if bound is None:
-            bound = self._buffers[B2] = self._bind_buffers(B2)
+        bound = self._buffers[B2]  # B2 ran before (``_shrink_size``): its buffers are bound
         rows = idx[:B2]
         for name in _REQUEST_BUFFERS:
             bound[name].copy_(st[name].index_select(0, rows))
-        for name in ("max_new", "eos", "pre_start"):
+        for name in ("max_new", "eos"):
             bound[name].copy_(st[name])
         bound.pop("round", None)
         bound["spec"].reset_chain()  # a tree is set each round; the chain (topk == 1) is this

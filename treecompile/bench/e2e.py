@@ -434,7 +434,7 @@ class E2EBench:
                 if accept is not None:
                     alens.append(running_accept_lengths(accept).cpu())
                     brounds.append(int(accept.shape[0]))
-                    slots += int(accept.shape[0]) * int(accept.shape[1]) if accept.dim() == 2 else 0
+                    slots += accept.numel()  # [rounds, B]
             walls.append(wall)
             if repeat == 0:
                 first = outputs, alens, brounds, slots
