@@ -218,6 +218,27 @@ _MEASURED: dict[tuple[int, int, int], tuple] = {
     (4, 4096, 12288): (4, 512, 8, 3, 52.06, 30.91, "gemv_pdl"),
     (1, 32000, 4096): (4, 512, 4, 2, 70.05, 66.65, "gemv_pdl"),  # 8B EAGLE-3 head: LM head (32k draft vocabulary)
     (4, 32000, 4096): (128, 256, 4, 3, 66.56, 67.59),
+    # 65-256 rows (a batch of trees' verify: B x N rows), tuple index 9 = the row block:
+    # notes/gpu-2026-12-03-s26/rows_sweep.json. Triton wins SmolLM2's qkv, o and down by 6-24% and gate/up at
+    # 128 rows; cuBLAS keeps gate/up at 96 and 256 rows and the LM head. In loop_profile at batch 4 (random
+    # weights) these entries took the (4, 5, 24) round from 1.433 to 1.266 ms and (4, 6, 32) from 1.590 to
+    # 1.380 (notes/gpu-2026-12-03-s26.md): more than the isolated GEMMs' ~3 us a layer, as cuBLAS also
+    # breaks the chain of dependent launches.
+    (96, 960, 576): (32, 128, 4, 4, 3.29, 3.86, "dot", 1, 0, 32),  # SmolLM2 qkv
+    (128, 960, 576): (16, 128, 4, 4, 2.96, 3.85, "dot", 1, 0, 64),
+    (256, 960, 576): (32, 128, 4, 4, 3.15, 3.95, "dot", 1, 0, 64),
+    (96, 576, 576): (16, 128, 4, 4, 2.94, 3.67, "dot", 1, 0, 32),  # SmolLM2 o
+    (128, 576, 576): (16, 128, 4, 4, 2.86, 3.77, "dot", 1, 0, 64),
+    (256, 576, 576): (32, 128, 4, 4, 3.02, 3.81, "dot", 1, 0, 64),
+    (96, 3072, 576): (32, 64, 4, 4, 5.03, 4.49, "dot", 1, 0, 32),  # SmolLM2 gate/up (cuBLAS keeps 96, 256)
+    (128, 3072, 576): (64, 128, 4, 4, 4.10, 4.56, "dot", 1, 0, 64),
+    (256, 3072, 576): (64, 64, 4, 4, 4.99, 4.75, "dot", 1, 0, 64),
+    (96, 576, 1536): (16, 128, 4, 4, 4.80, 5.12, "dot", 1, 0, 32),  # SmolLM2 down
+    (128, 576, 1536): (16, 128, 4, 4, 4.59, 5.23, "dot", 1, 0, 64),
+    (256, 576, 1536): (32, 128, 4, 4, 4.83, 5.29, "dot", 1, 0, 64),
+    (96, 49152, 576): (128, 64, 4, 3, 40.77, 21.28, "dot", 1, 0, 64),  # SmolLM2 LM head (cuBLAS keeps it)
+    (128, 49152, 576): (64, 64, 4, 3, 22.44, 21.47, "dot", 1, 0, 128),
+    (256, 49152, 576): (64, 64, 4, 3, 42.74, 28.30, "dot", 1, 0, 128),
 }
 MAX_SPLIT_K = 16
 MAX_SLICES = 1 << 16  # output slices x row blocks one split-K launch may count in the counter table
@@ -265,7 +286,9 @@ def register_tiles(rows) -> int:
 def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     """The swept tiles for ``[M, K] x [N, K]^T`` when the sweep found them faster than cuBLAS, else None (the
     shape stays on cuBLAS). The nearest swept M of the same (N, K) in M's band stands in for M; a shape never
-    swept is None: on unmeasured shapes cuBLAS is the safe default."""
+    swept is None: on unmeasured shapes cuBLAS is the safe default, and so is anything past ``MAX_ROWS``."""
+    if not 1 <= M <= MAX_ROWS:
+        return None
     swept = [(m, v) for (m, n, k), v in _MEASURED.items() if n == N and k == K and _band(m) == _band(M)]
     if not swept:
         return None

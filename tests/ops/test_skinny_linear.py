@@ -63,9 +63,10 @@ def test_batch_rows_stay_on_cublas_until_measured(monkeypatch):
     (one tree's verify) do not stand in for a batch of trees. A band-3 sweep row brings its row block."""
     from treecompile.ops import skinny_linear
 
-    monkeypatch.setattr(skinny_linear, "_MEASURED", dict(skinny_linear._MEASURED))
+    below_band3 = {key: v for key, v in skinny_linear._MEASURED.items() if key[0] <= 64}
+    monkeypatch.setattr(skinny_linear, "_MEASURED", below_band3)
     assert skinny_linear.measured_tiles(64, 960, 576) is not None  # SmolLM2's fused qkv, one tree
-    assert skinny_linear.measured_tiles(96, 960, 576) is None  # four trees of 24 nodes: not swept yet
+    assert skinny_linear.measured_tiles(96, 960, 576) is None  # four trees of 24 nodes: not swept
     row = dict(M=128, N=960, K=576, cublas_us=6.0, best=dict(block_m=128, block_n=32, block_k=64, warps=4,
                                                              stages=3, us=4.0))  # fmt: skip
     assert skinny_linear.register_tiles([row]) == 1
@@ -78,6 +79,19 @@ def test_batch_rows_stay_on_cublas_until_measured(monkeypatch):
     row["best"] = dict(row["best"], us=4.0, block_m=48)
     with pytest.raises(ValueError, match="block_m must be a power of two"):
         skinny_linear.register_tiles([row])
+
+
+def test_the_shipped_table_sends_smollm2_batch_verify_where_it_was_measured_faster():
+    """SmolLM2's 65-256-row GEMMs (batch 4 or 16 of trees) from the sweep: Triton row blocks where they beat
+    cuBLAS, cuBLAS where it won (gate/up at 96 rows, the LM head), nothing past 256 rows."""
+    from treecompile.ops.skinny_linear import measured_tiles
+
+    qkv = measured_tiles(128, 960, 576)  # four trees of 32 nodes
+    assert qkv is not None and (qkv.block_m, qkv.block_n, qkv.block_k) == (64, 16, 128)
+    assert measured_tiles(80, 576, 1536).block_m == 32  # the nearest swept M (96) stands in
+    assert measured_tiles(96, 3072, 576) is None and measured_tiles(128, 3072, 576) is not None
+    assert all(measured_tiles(m, 49152, 576) is None for m in (96, 128, 256))
+    assert measured_tiles(257, 960, 576) is None and measured_tiles(512, 960, 576) is None
 
 
 @pytest.mark.parametrize("block_m,block_n,block_k", [(16, 16, 16), (32, 32, 64), (64, 16, 32)])
