@@ -270,8 +270,8 @@ class TreeSpeculator:
         this speculator has already run (its compiled code and, with CUDA graphs, its captured rounds), so
         the tail of a batch stops paying for finished rows; nothing compiles or captures mid-request. Page
         tables and linear-attention state rows are permuted in place, not copied. Default: on without CUDA
-        graphs; off with them until timed on the GPU (a static batch waits for its slowest request:
-        BENCHMARKS.md, twenty-fifth session).
+        graphs; off with them: correct under captured rounds on the GPU, not yet shown to pay there (a
+        static batch waits for its slowest request: BENCHMARKS.md, twenty-fifth and twenty-sixth sessions).
     """
 
     def __init__(

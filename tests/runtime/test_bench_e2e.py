@@ -79,7 +79,13 @@ def test_smoke_tau_and_accept_lengths_add_up(smoke):
     for r in smoke["result"]["rows"]:
         if r["tree"] is None:  # HF generate
             assert r["config"].startswith("hf_") and r["tau"] is None and r["accept_hist"] is None
+            assert r["shrinks"] is None
             continue
+        # Plain decode's requests all stop at the token limit together (no EOS in the smoke target), and a
+        # batch of one has nothing to shrink to; a tree's requests can stop rounds apart.
+        assert isinstance(r["shrinks"], int) and r["shrinks"] >= 0
+        if r["config"] == "tc_plain" or r["batch_size"] == 1:
+            assert r["shrinks"] == 0, (r["config"], r["batch_size"])
         hist = {int(k): v for k, v in r["accept_hist"].items()}
         # Prefill emits each request's first token; every later token comes from a round.
         assert sum(k * v for k, v in hist.items()) == r["new_tokens"] - r["prompts"]

@@ -283,6 +283,7 @@ class Row:
     batch_rounds: list | None = None
     occupancy: float | None = None
     ms_per_batch_round: float | None = None  # the median pass's wall over the rounds its batches ran
+    shrinks: int | None = None  # times the first timed pass moved a batch onto a smaller size (shrink_batch)
     reference: str | None = None
     matches: int | None = None
     outputs_match: bool | None = None
@@ -422,7 +423,9 @@ class E2EBench:
         row.warmup_s = time.time() - t0
         _say(f"batch {b} {config.name}: warm-up {row.warmup_s:.1f} s")
         walls = []
-        for repeat in range(s.repeats):  # greedy: every pass emits the same tokens; the first is kept
+        spec = self._specs.get(config.name) if config.key not in ("hf_eager", "hf_compile") else None
+        for repeat in range(s.repeats):
+            shrinks_before = spec.shrinks if spec is not None else 0  # greedy: every pass emits the same tokens; the first is kept
             outputs, alens, wall, brounds, slots = [], [], 0.0, [], 0
             for ids, mask in batches:
                 sync(device)
@@ -438,6 +441,8 @@ class E2EBench:
             walls.append(wall)
             if repeat == 0:
                 first = outputs, alens, brounds, slots
+                if spec is not None:
+                    row.shrinks = spec.shrinks - shrinks_before
         outputs, alens, brounds, slots = first
         row.prompts = len(outputs)
         row.new_tokens = sum(len(x) for x in outputs)
