@@ -423,9 +423,9 @@ class E2EBench:
         row.warmup_s = time.time() - t0
         _say(f"batch {b} {config.name}: warm-up {row.warmup_s:.1f} s")
         walls = []
-        spec = self._specs.get(config.name) if config.key not in ("hf_eager", "hf_compile") else None
-        for repeat in range(s.repeats):
-            shrinks_before = spec.shrinks if spec is not None else 0  # greedy: every pass emits the same tokens; the first is kept
+        spec = self._specs.get(config.name)  # None for HF generate
+        shrinks_before = spec.shrinks if spec is not None else 0
+        for repeat in range(s.repeats):  # greedy: every pass emits the same tokens; the first is kept
             outputs, alens, wall, brounds, slots = [], [], 0.0, [], 0
             for ids, mask in batches:
                 sync(device)
