@@ -158,6 +158,49 @@ def test_repeats_time_every_pass_and_report_the_median(tmp_path):
     assert {r["config"]: r["outputs_match"] for r in result["rows"]} == {"hf_eager": True, "tree(2,2,3)": True}
 
 
+def test_shrink_ab_times_the_same_speculator_with_shrinking_off_then_on(tmp_path, monkeypatch):
+    """--shrink-ab: at a batch size after a smaller one, each treecompile row has a "+shrink" twin; the
+    passes alternate off / on on one speculator."""
+    from treecompile.speculator import TreeSpeculator
+
+    flags = []  # shrink_batch as each generate call saw it
+    generate = TreeSpeculator.generate
+
+    def recording_generate(self, *args, **kwargs):
+        flags.append((self.num_nodes, self.shrink_batch))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(TreeSpeculator, "generate", recording_generate)
+    json_path = tmp_path / "ab.json"
+    rc, stdout = _run(["--smoke", "--configs", "hf_eager,tc_plain,tc_tree", "--trees", "2,3,6", "--batch-sizes", "1,2",
+                       "--prompts", "3", "--max-new-tokens", "8", "--repeats", "2", "--shrink-ab",
+                       "--json", str(json_path)])  # fmt: skip
+    assert rc == 0, stdout[-3000:]
+    result = json.loads(json_path.read_text())
+    assert result["setup"]["shrink_ab"] is True
+    rows = {(r["config"], r["batch_size"]): r for r in result["rows"]}
+    twins = {"tc_plain+shrink", "tree(2,3,6)+shrink"}
+    # No twin at batch 1 (nothing smaller to shrink onto) or for HF generate.
+    assert set(rows) == {(n, b) for n in ("hf_eager", "tc_plain", "tree(2,3,6)") for b in (1, 2)} | {(t, 2) for t in twins}
+    for (name, b), r in rows.items():
+        assert r["error"] is None and r["outputs_match"] is True, (name, b, r["error"])
+        assert len(r["wall_s_repeats"]) == 2
+        if name in twins:
+            base = rows[(name.removesuffix("+shrink"), b)]
+            assert r["warmup_s"] == base["warmup_s"] and r["tree"] == base["tree"]
+            assert r["speedup_vs_tc_plain"] == pytest.approx(r["tokens_per_s"] / rows[("tc_plain", b)]["tokens_per_s"])
+        elif r["tree"] is not None:
+            assert r["shrinks"] == 0, name  # shrinking off
+    # 3 prompts at batch 2 end on a batch with one real request: its padded row stops first, so the tree's
+    # shrink row moved at least that batch onto batch 1.
+    assert rows[("tree(2,3,6)+shrink", 2)]["shrinks"] >= 1
+    # Batch 2 of the tree: the warm-up, then per repeat two batches off, two on.
+    tree_b2 = [f for n, f in flags if n == 6][1 + 2 * 3:]  # after batch 1 (warm-up + 2 repeats x 3 batches)
+    assert tree_b2 == [False] * 3 + [True] * 2 + [False] * 2 + [True] * 2, tree_b2
+    assert flags[-1] == (6, True)
+    assert "tree(2,3,6)+shrink:" in stdout
+
+
 class _Killed(BaseException):
     """Stands for the time limit's kill: not an Exception, so no configuration handler catches it."""
 
@@ -167,11 +210,11 @@ def test_json_is_written_after_each_configuration(tmp_path, monkeypatch):
     measure = e2e.E2EBench._measure
     calls = []
 
-    def measure_then_die(self, config, b, row):
+    def measure_then_die(self, config, b, row, twin=None):
         calls.append(config.name)
         if len(calls) == 2:
             raise _Killed
-        measure(self, config, b, row)
+        measure(self, config, b, row, twin)
 
     monkeypatch.setattr(e2e.E2EBench, "_measure", measure_then_die)
     with pytest.raises(_Killed):
@@ -193,8 +236,10 @@ def test_json_is_written_after_each_configuration(tmp_path, monkeypatch):
         (["--dtype", "float64"], "--dtype: one of ['bfloat16', 'float16', 'float32'], got 'float64'"),
         (["--dtype", "float32"], "--dtype: the smoke model always runs in float32"),
         (["--repeats", "0"], "--repeats: expected an int in 1..20, got 0"),
+        (["--shrink-ab", "--shrink-batch"], "--shrink-ab: times shrinking off and on itself; leave --shrink-batch unset"),
     ],
-    ids=["trees-2-ints", "trees-65-nodes", "configs-bogus", "batch-0", "dtype-unknown", "dtype-smoke", "repeats-0"],
+    ids=["trees-2-ints", "trees-65-nodes", "configs-bogus", "batch-0", "dtype-unknown", "dtype-smoke", "repeats-0",
+         "shrink-ab-with-shrink-batch"],
 )
 def test_bad_arguments_are_one_clear_line(args, match, capsys):
     with pytest.raises(SystemExit) as exc:

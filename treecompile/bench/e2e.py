@@ -31,6 +31,11 @@ round emits, bonus included, over all rounds of all running requests), the accep
 speedups against ``tc_plain`` and ``hf_compile`` at the same batch size, and how many sequences equal the
 plain greedy reference (``hf_eager`` at the same batch size, else ``tc_plain``).
 
+``--shrink-ab``: every treecompile row runs with batch shrinking off, and at a batch size listed after a
+smaller one (a size to shrink onto) it gets a twin row ``<config>+shrink`` timed on the same speculator and
+captured graphs with shrinking on; each repeat times the off pass, then the on pass, so the pair differs by
+the flag alone (drift between processes or machines does not enter). List ``--batch-sizes`` smallest first.
+
 Output: progress lines (flushed), a markdown table, ``--json`` rewritten after every configuration (a run
 killed by a time limit leaves what it measured), ``--plot`` a PNG (tokens/s grouped by batch size; accept
 length histograms); without matplotlib ``--plot`` says so in one line and the rest runs. A configuration that
@@ -79,6 +84,7 @@ DEFAULT_TREES = ((4, 6, 32), (4, 5, 16), (8, 6, 64))
 SMOKE_TREES = ((2, 3, 6), (4, 3, 12))
 DEFAULT_CHAIN_STEPS = 5
 REFERENCES = ("hf_eager", "tc_plain")  # the plain greedy output, in order of preference
+SHRINK_SUFFIX = "+shrink"  # --shrink-ab: the twin row of a treecompile configuration with shrinking on
 WARMUP_TOKENS = 16  # enough rounds to capture the graphs (and, for HF compile, to reach the dynamic recompile)
 SMOKE_PROMPT_LENGTHS = (7, 12)
 # A 16-token vocabulary: a random head then guesses a random target's next token often enough (1 in 16 per
@@ -192,6 +198,7 @@ class Setup:
     skinny_linears: bool | None = None  # treespec::skinny_linear for few-row GEMMs; None: the speculator's default
     lookahead: bool = True  # launch each round before reading the last one's stop flags (CUDA graphs)
     shrink_batch: bool | None = None  # TreeSpeculator(shrink_batch=...): None keeps its default
+    shrink_ab: bool = False  # treecompile rows with shrinking off, each with a "+shrink" twin (passes alternate)
     repeats: int = 1  # timed passes over the batches per row; tokens/s from the median pass
     dtype: str | None = None  # SmolLM2's dtype: None is bfloat16 on CUDA, float32 on CPU
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
@@ -327,7 +334,7 @@ class E2EBench:
             **desc, "device": torch.cuda.get_device_name(s.device) if s.device.type == "cuda" else str(s.device),
             "dtype": str(self.dtype).removeprefix("torch."), "torch": torch.__version__,
             "transformers": transformers.__version__, "cuda_graphs": s.device.type == "cuda",
-            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "skinny_linears": s.skinny_linears, "lookahead": s.lookahead, "shrink_batch": s.shrink_batch, "repeats": s.repeats, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
+            "inductor": s.inductor, "fuse_projections": s.fuse_projections, "skinny_linears": s.skinny_linears, "lookahead": s.lookahead, "shrink_batch": s.shrink_batch, "shrink_ab": s.shrink_ab, "repeats": s.repeats, "smoke": s.smoke, "batch_sizes": list(s.batch_sizes),
             "max_new_tokens": s.max_new_tokens, "prompts_requested": s.prompts,
             "prompt_tokens": [len(p) for p in self.prompts], "configs": [c.name for c in s.configs],
         }  # fmt: skip
@@ -396,54 +403,99 @@ class E2EBench:
         row = Row(config=config.name, label=config.label, batch_size=b,
                   tree=list(config.shape) if config.shape else None)  # fmt: skip
         self.rows.append(row)
+        twin = None
+        if self._shrink_twin(config, b):  # --shrink-ab: the same speculator's passes with shrinking on
+            twin = Row(config=f"{config.name}{SHRINK_SUFFIX}", label=f"{config.label}, batch shrinking",
+                       batch_size=b, tree=row.tree)  # fmt: skip
+            self.rows.append(twin)
         t0 = time.time()
         try:
             with torch.no_grad():
-                self._measure(config, b, row)
+                self._measure(config, b, row, twin)
         except Exception as exc:  # noqa: BLE001 - report the configuration and go on
             row.error = _reason(exc)
+            if twin is not None:
+                twin.error = row.error
             logger.debug("%s", traceback.format_exc())
             _say(f"batch {b} {config.name}: fail: {row.error} ({time.time() - t0:.1f} s)")
             self._recover()
             return row
-        tau = "" if row.tau is None else f", tau {row.tau:.2f}"
-        match = "" if row.matches is None else f", {row.matches}/{row.prompts} match {row.reference}"
-        _say(f"batch {b} {config.name}: {row.tokens_per_s:.1f} tokens/s ({row.new_tokens} tokens in "
-             f"{row.wall_s:.2f} s{tau}{match}; warm-up {row.warmup_s:.1f} s)")  # fmt: skip
+        for r in (row, twin) if twin is not None else (row,):
+            tau = "" if r.tau is None else f", tau {r.tau:.2f}"
+            match = "" if r.matches is None else f", {r.matches}/{r.prompts} match {r.reference}"
+            shrinks = "" if twin is None else f", {r.shrinks} shrinks"
+            _say(f"batch {b} {r.config}: {r.tokens_per_s:.1f} tokens/s ({r.new_tokens} tokens in "
+                 f"{r.wall_s:.2f} s{tau}{match}{shrinks}; warm-up {row.warmup_s:.1f} s)")  # fmt: skip
         return row
 
-    def _measure(self, config: Config, b: int, row: Row) -> None:
+    def _shrink_twin(self, config: Config, b: int) -> bool:
+        """--shrink-ab: a treecompile row at a batch size with a smaller one run before it (so there is a
+        size to shrink onto) gets a twin row with shrinking on."""
+        s = self.setup
+        if not s.shrink_ab or config.shape is None:
+            return False
+        return any(x < b for x in s.batch_sizes[: s.batch_sizes.index(b)])
+
+    def _measure(self, config: Config, b: int, row: Row, twin: Row | None = None) -> None:
+        """Warm up, then ``--repeats`` timed passes over every batch into ``row``; with a ``twin`` each
+        repeat times a pass with shrinking off (``row``) and then one with it on (``twin``), on the same
+        speculator and graphs, so the two differ by the flag alone."""
         s, device = self.setup, self.setup.device
         batches = self.batches(b)
         t0 = time.time()
         gen = self.generator(config)
         warm = s.max_new_tokens if config.key == "hf_compile" else min(WARMUP_TOKENS, s.max_new_tokens)
+        spec = self._specs.get(config.name)  # None for HF generate
+        shrink_before = spec.shrink_batch if spec is not None else None
+        if twin is not None:
+            spec.shrink_batch = False
         gen(*batches[0], warm)
         sync(device)
         row.warmup_s = time.time() - t0
         _say(f"batch {b} {config.name}: warm-up {row.warmup_s:.1f} s")
-        walls = []
-        spec = self._specs.get(config.name)  # None for HF generate
+        targets = (row,) if twin is None else (row, twin)
+        passes = {id(r): [] for r in targets}
+        try:
+            for _ in range(s.repeats):  # greedy: every pass emits the same tokens; the first is kept
+                for r in targets:
+                    if twin is not None:
+                        spec.shrink_batch = r is twin
+                    passes[id(r)].append(self._timed_pass(gen, batches, spec))
+        finally:
+            if twin is not None:
+                spec.shrink_batch = shrink_before
+        for r in targets:
+            self._fill(r, passes[id(r)], config)
+        if twin is not None:
+            twin.warmup_s = row.warmup_s
+        self._derive()
+
+    def _timed_pass(self, gen, batches, spec) -> dict:
+        """One timed pass over every batch: outputs (cut at EOS), accept lengths, summed wall, rounds."""
+        device = self.setup.device
         shrinks_before = spec.shrinks if spec is not None else 0
-        for repeat in range(s.repeats):  # greedy: every pass emits the same tokens; the first is kept
-            outputs, alens, wall, brounds, slots = [], [], 0.0, [], 0
-            for ids, mask in batches:
-                sync(device)
-                t = time.perf_counter()
-                tokens, accept = gen(ids, mask, s.max_new_tokens)
-                sync(device)
-                wall += time.perf_counter() - t
-                outputs.extend(trim_at_eos(list(x), self.eos) for x in tokens)
-                if accept is not None:
-                    alens.append(running_accept_lengths(accept).cpu())
-                    brounds.append(int(accept.shape[0]))
-                    slots += accept.numel()  # [rounds, B]
-            walls.append(wall)
-            if repeat == 0:
-                first = outputs, alens, brounds, slots
-                if spec is not None:
-                    row.shrinks = spec.shrinks - shrinks_before
-        outputs, alens, brounds, slots = first
+        outputs, alens, wall, brounds, slots = [], [], 0.0, [], 0
+        for ids, mask in batches:
+            sync(device)
+            t = time.perf_counter()
+            tokens, accept = gen(ids, mask, self.setup.max_new_tokens)
+            sync(device)
+            wall += time.perf_counter() - t
+            outputs.extend(trim_at_eos(list(x), self.eos) for x in tokens)
+            if accept is not None:
+                alens.append(running_accept_lengths(accept).cpu())
+                brounds.append(int(accept.shape[0]))
+                slots += accept.numel()  # [rounds, B]
+        shrinks = spec.shrinks - shrinks_before if spec is not None else None
+        return {"outputs": outputs, "alens": alens, "wall": wall, "brounds": brounds, "slots": slots,
+                "shrinks": shrinks}  # fmt: skip
+
+    def _fill(self, row: Row, passes: list[dict], config: Config) -> None:
+        """A row from its timed passes: tokens/s from the median wall; tokens, tau and rounds from the first."""
+        first = passes[0]
+        outputs, alens, brounds, slots = first["outputs"], first["alens"], first["brounds"], first["slots"]
+        row.shrinks = first["shrinks"]
+        walls = [p["wall"] for p in passes]
         row.prompts = len(outputs)
         row.new_tokens = sum(len(x) for x in outputs)
         row.wall_s = statistics.median(walls)
@@ -458,8 +510,7 @@ class E2EBench:
             row.batch_rounds = brounds
             row.occupancy = row.rounds / slots if slots else None
             row.ms_per_batch_round = row.wall_s * 1e3 / sum(brounds) if sum(brounds) else None
-        self.outputs[(config.name, b)] = outputs
-        self._derive()
+        self.outputs[(row.config, row.batch_size)] = outputs
 
     def _recover(self) -> None:
         try:
@@ -624,11 +675,13 @@ def _setup_from_args(args) -> Setup:
         raise ValueError(f"--dtype: one of {sorted(DTYPES)}, got {args.dtype!r}")
     if args.dtype is not None and args.smoke:
         raise ValueError("--dtype: the smoke model always runs in float32")
+    if args.shrink_ab and args.shrink_batch is not None:
+        raise ValueError("--shrink-ab: times shrinking off and on itself; leave --shrink-batch unset")
     return Setup(batch_sizes=batch_sizes, max_new_tokens=max_new, prompts=prompts,
                  configs=build_configs(keys, trees, args.chain_steps), smoke=args.smoke, head=args.head,
                  inductor=args.inductor, device=device, fuse_projections=fuse_projections_default(args.fuse_projections, device),
                  dtype=args.dtype, lookahead=args.lookahead, shrink_batch=args.shrink_batch, repeats=args.repeats,
-                 skinny_linears=args.skinny_linears)  # fmt: skip
+                 skinny_linears=args.skinny_linears, shrink_ab=args.shrink_ab)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -659,6 +712,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="move a batch's running requests onto smaller batch sizes already run as others stop "
                              "(default: the speculator's, on without CUDA graphs; list --batch-sizes smallest "
                              "first so the smaller sizes exist)")  # fmt: skip
+    parser.add_argument("--shrink-ab", action="store_true",
+                        help="time every treecompile row with shrinking off and, at batch sizes after a smaller "
+                             "one, again with it on in a '+shrink' row: same speculator and graphs, passes "
+                             "alternating (with --repeats)")  # fmt: skip
     parser.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                         help="launch each CUDA-graph round before reading the previous round's stop flags (default on)")
     parser.add_argument("--dtype", default=None,
