@@ -13,8 +13,9 @@ Mamba2       ``causal_conv1d_fn(x [B, C, T], w, b)``            ``mamba2_chunk_s
                                                                 D=, dt_bias=, initial_states=None)``
 ===========  ================================================  ==========================================
 
-(transformers 5.17 and 5.24 both call these; 5.17 repeats GDN's q/k to the value heads before the call,
-which the pass undoes.) Dynamo would inline them into hundreds of nodes, so
+(transformers 5.17 to 5.25 call these; 5.17 repeats GDN's q/k to the value heads before the call, which the
+pass undoes; from 5.25, with its ``kernels`` dependency, each is an ``nn.Module`` wrapping the function, which
+the registry unwraps.) Dynamo would inline them into hundreds of nodes, so
 :class:`treecompile.target.TargetBinding` registers them with ``torch._dynamo.allow_in_graph`` when it is
 created (:func:`allow_seams_in_graph`) and each arrives here as ONE call node. For every seam call the pass
 

@@ -352,6 +352,22 @@ _LINEAR_ATTRS = {
 }
 
 
+def _kernel_func_target(fn):
+    """The plain function behind an HF seam. With the ``kernels`` package (a dependency of transformers
+    5.25) a hub-replaceable function such as ``causal_conv1d_fn`` is an ``nn.Module`` ("Func") whose
+    ``forward`` calls the original function, kept in its closure as ``func``, unless a model was kernelized.
+    Dynamo inlines the module call either way, so the seam the FX pass must see as one call node is that
+    function; anything else is returned as is."""
+    if not isinstance(fn, torch.nn.Module):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    code, cells = getattr(forward, "__code__", None), getattr(forward, "__closure__", None) or ()
+    if code is None:
+        return fn
+    inner = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("func")
+    return inner if callable(inner) and not isinstance(inner, torch.nn.Module) else fn
+
+
 def _classify_linear(index: int, name: str, module: torch.nn.Module, entry: _LinearEntry) -> LinearAttentionLayer:
     import sys
 
@@ -374,7 +390,7 @@ def _classify_linear(index: int, name: str, module: torch.nn.Module, entry: _Lin
     modeling = sys.modules.get(type(module).__module__)
     seams = {}
     for seam in (entry.conv, entry.recurrence) + entry.refused:
-        fn = getattr(modeling, seam, None)
+        fn = _kernel_func_target(getattr(modeling, seam, None))
         if callable(fn):
             seams[seam] = fn
         elif seam in (entry.conv, entry.recurrence):

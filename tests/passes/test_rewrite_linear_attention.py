@@ -328,6 +328,35 @@ def test_a_renamed_seam_is_refused_not_passed_through(monkeypatch):
         resolve_tree_support(tiny_model("mamba2"), max_seq_len=64)
 
 
+def test_a_seam_wrapped_in_a_kernels_module_binds_the_function_inside():
+    """transformers 5.25's ``kernels`` dependency turns hub-replaceable seams into ``nn.Module`` wrappers whose
+    forward calls the function in its closure; the layer's seam must be that function (Dynamo then keeps it as
+    one call node), not the module. A module without such a closure, and a plain function, stay as they are."""
+    from treecompile.registry import _kernel_func_target
+
+    def causal_conv1d_fn(x):
+        return x
+
+    def wrap(func):
+        class Func(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Func()
+
+    wrapped = wrap(causal_conv1d_fn)
+    assert _kernel_func_target(wrapped) is causal_conv1d_fn
+    assert _kernel_func_target(causal_conv1d_fn) is causal_conv1d_fn
+    plain = torch.nn.Identity()
+    assert _kernel_func_target(plain) is plain
+    assert _kernel_func_target(None) is None
+    # Whatever this transformers release exports, the bound seams are plain functions under their HF names.
+    for family in ("qwen3_next", "mamba2"):
+        (layer, *_) = linear_attention_layers(tiny_model(family))
+        for name, fn in layer.seams.items():
+            assert not isinstance(fn, torch.nn.Module) and fn.__name__ == name, (family, name, fn)
+
+
 def test_hf_cache_path_is_refused_by_the_pass():
     model = tiny_model("mamba2")
     binding = TargetBinding(model, max_batch=1, max_seq_len=16, max_rows=4, page_size=4)
