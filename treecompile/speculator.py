@@ -224,8 +224,9 @@ class TreeSpeculator:
         ``topk == 1`` is the chain: ``num_nodes`` becomes ``min(num_nodes, steps + 1)`` and
         ``steps = num_nodes - 1``. A batch verifies B x N rows a round and runs until its slowest request
         stops, so the tree that pays shrinks with the batch: SmolLM2-135M on the H200 (BENCHMARKS.md, the
-        twenty-fifth session) gains most from (10, 6, 64) / (8, 6, 64) at batch 1 (1.77x plain decode), from
-        (4, 4, 16) at batch 4 (1.80x; (8, 6, 64) only 1.13x), and at batch 16 from none clearly (0.70-1.07x).
+        twenty-fifth and twenty-seventh sessions) gains most from (10, 6, 64) / (8, 6, 64) / (4, 4, 16) at batch
+        1 (1.70-1.83x plain decode), from (4, 4, 16) at batch 4 (1.83x; (8, 6, 64) only 1.13x), and at batch 16
+        from (2, 3, 6) with ``shrink_batch`` (1.26x; (4, 4, 16) 1.09x).
     max_batch_size : requests per generate call.
     max_seq_len : keys per request the caches hold; prompt + max_new_tokens + num_nodes must fit.
         Default ``min(max_position_embeddings, 4096)``.
@@ -269,9 +270,12 @@ class TreeSpeculator:
     shrink_batch : as requests of a batch stop, move the ones still running onto a smaller batch size that
         this speculator has already run (its compiled code and, with CUDA graphs, its captured rounds), so
         the tail of a batch stops paying for finished rows; nothing compiles or captures mid-request. Page
-        tables and linear-attention state rows are permuted in place, not copied. Default: on without CUDA
-        graphs; off with them: correct under captured rounds on the GPU, not yet shown to pay there (a
-        static batch waits for its slowest request: BENCHMARKS.md, twenty-fifth and twenty-sixth sessions).
+        tables and linear-attention state rows are permuted in place, not copied. Default on. It pays where
+        a smaller size rounds much cheaper: SmolLM2 on the H200 at batch 16 (shrinking onto 4 and 1), tree
+        (4, 4, 16) 12826 -> 14361 tokens/s, (2, 3, 6) 16053 -> 16571, same speculator and graphs
+        (BENCHMARKS.md, twenty-seventh session); at batch 4 it is within noise (batch 1 rounds cost about
+        what batch 4's do). Only sizes that ran before are used, so a speculator that only ever saw one
+        batch size never shrinks.
     """
 
     def __init__(
@@ -388,7 +392,7 @@ class TreeSpeculator:
             raise ValueError("cuda_graphs: needs the model on a CUDA device")
         self.cuda_graphs = cuda_graphs
         self.lookahead = bool(lookahead)
-        self.shrink_batch = (not cuda_graphs) if shrink_batch is None else bool(shrink_batch)
+        self.shrink_batch = True if shrink_batch is None else bool(shrink_batch)
         self.shrinks = 0  # batch shrinks so far (all generate calls)
         # A shrink permutes page-table rows: a drafter whose cache is not a PagedKVCache keeps its batch.
         self._shrinkable = hasattr(self.draft_cache, "page_table") and hasattr(self.draft_cache, "lengths")

@@ -24,6 +24,13 @@ a wider and a narrower slice, and for <= 8 rows the gemv kernel as a dependent l
 
     python3 tests/gpu/skinny_sweep.py out.json rows|rows-smoke [ROWS]   # ROWS: "96,128,256" (default)
 
+    python3 tests/gpu/skinny_sweep.py out.json mid|mid-smoke [ROWS]   # ROWS: "4,16,32" (default)
+
+``mid``: the row counts one batch-1 round runs between the swept 1, 8 and 64: draft lanes of K = 4 (and a
+batch-4 decode), the verify of a (4, 4, 16) tree (16 rows) and of a (4, 6, 32) one (32). SmolLM2's target
+shapes and the shipped head's (q/k/v over its 2 x 576 input, fc, the 12288-id LM head); per shape cuBLAS, the
+shipped choice, MMA tiles over 1-4 splits of K, and for <= 8 rows the gemv kernel as a dependent launch.
+
 ``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
 rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
 carry ``best.block_m``, which ``register_tiles`` keeps for that band.
@@ -44,6 +51,8 @@ from treecompile.ops.skinny_linear import (
 
 SMOL = [("smol qkv", 960, 576), ("smol o", 576, 576), ("smol gate_up", 3072, 576), ("smol down", 576, 1536)]
 SMOL_HEAD = [("head fc", 576, 1728), ("head lm", 8192, 576)]
+# The shipped head (treecompile/heads/smollm2): q/k/v fused over [embedding, hidden] (2 x 576), 12288 ids.
+SMOL_HEAD_SHIPPED = [("head qkv", 960, 1152), ("head fc", 576, 1728), ("head lm", 12288, 576)]
 LLAMA8B = [("8b qkv", 6144, 4096), ("8b o", 4096, 4096), ("8b gate_up", 28672, 4096), ("8b down", 4096, 14336)]
 CASES = [(m, *s) for m in (1, 64) for s in SMOL] + [(m, *s) for m in (1, 8) for s in SMOL + SMOL_HEAD]
 CASES += [(1, "smol lm_head", 49152, 576), (64, "smol lm_head", 49152, 576)]
@@ -97,7 +106,11 @@ def main() -> None:
     gemv = mode in ("gemv", "gemv-smoke")
     splitk = mode in ("splitk", "splitk-smoke")
     batch_rows = mode in ("rows", "rows-smoke")
+    mid = mode in ("mid", "mid-smoke")
     cases = CASES
+    if mid:  # argv[3]: the row counts (default 4,16,32); the biggest weights first within a row count
+        rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "4,16,32").split(",")]
+        cases = [(m, *sh) for m in rows for sh in sorted(SMOL + SMOL_HEAD_SHIPPED, key=lambda sh: -sh[1] * sh[2])]
     if batch_rows:  # argv[3]: the row counts (default 96,128,256: 4 x 24, 4 x 32 / 16 x 8, 16 x 16 nodes)
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "96,128,256").split(",")]
         cases = [(m, *sh) for m in rows for sh in SMOL + [("smol lm_head", 49152, 576)]]
@@ -107,7 +120,7 @@ def main() -> None:
                        key=lambda c: -c[2] * c[3])  # fmt: skip
     if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
         cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
-    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
         global DEVICE, DTYPE, L2_BYTES
         # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
@@ -115,6 +128,8 @@ def main() -> None:
             cases = [(1, "smoke a", 40, 72), (3, "smoke c", 24, 64)]
         if batch_rows:
             cases = [(70, "smoke r", 24, 64)]
+        if mid:
+            cases = [(4, "smoke m", 40, 72), (16, "smoke n", 24, 64)]
     torch.manual_seed(0)
     results = []
     t0 = time.time()
@@ -127,7 +142,7 @@ def main() -> None:
         want = F.linear(x.float(), ws[0].float())
         row = dict(M=M, label=label, N=N, K=K, copies=copies)
         row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
-        default = (measured_tiles(M, N, K) if gemv or splitk else None) or choose_skinny_config(M, N, K)
+        default = (measured_tiles(M, N, K) if gemv or splitk or mid else None) or choose_skinny_config(M, N, K)
         sweep = [default]
         grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4))  # 24 configs
         if full:
@@ -160,6 +175,21 @@ def main() -> None:
             # L2 hints of the first weight tiles before the dependency wait, on the shipped choice
             for tiles_ahead in (2, 4, 8):
                 sweep.append(dataclasses.replace(default, l2_prefetch=tiles_ahead))
+        if mid:  # MMA tiles over 1-4 splits of K; the gemv kernel (dependent launch) where it takes the rows
+            smoke_mid = mode == "mid-smoke"
+            for bn, bk, stages, sk in itertools.product((16,) if smoke_mid else (16, 32, 64), (64,) if smoke_mid else (64, 128, 256),
+                                                        (3,) if smoke_mid else (3, 4), (1, 2) if smoke_mid else (1, 2, 4)):  # fmt: skip
+                if bk <= max(16, 1 << (K - 1).bit_length()) and triton_cdiv(K, bk) >= sk:
+                    sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
+                                                      split_k=sk))  # fmt: skip
+            if M <= GEMV_MAX_ROWS:
+                # the [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator: at most 16k elements
+                gemv_grid = [(4, 16, 4, 2)] if smoke_mid else itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 3))
+                for bn, bk, warps, stages in gemv_grid:
+                    if max(1, 1 << (M - 1).bit_length()) * bn * bk <= 16384 and bk <= max(16, 1 << (K - 1).bit_length()):
+                        sweep.append(gemv_config(M, N, K, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                                                 pdl=True))  # fmt: skip
+            grid = []
         if batch_rows:  # the row block too; the other loop below then adds nothing
             block_ms = (32, 64) if mode == "rows-smoke" else (32, 64, 128)
             block_ns = (16,) if mode == "rows-smoke" else (16, 32, 64)

@@ -32,7 +32,7 @@ def test_shrinking_batch_matches_hf_greedy(family):
     # A noisy oracle accepts different lengths per request, so requests stop at different rounds.
     spec = TreeSpeculator(model, OracleDrafter.build(model, noise=0.6, seed=2), topk=3, steps=4, num_nodes=10,
                           max_batch_size=4, max_seq_len=96, page_size=8)  # fmt: skip
-    assert spec.shrink_batch is True  # the default without CUDA graphs
+    assert spec.shrink_batch is True  # the default (with or without CUDA graphs)
     g = torch.Generator().manual_seed(5)
     _warm(spec, (1, 2), g)
     before = spec.shrinks

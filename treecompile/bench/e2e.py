@@ -710,8 +710,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed passes over every batch per row; tokens/s from the median pass (default 1)")
     parser.add_argument("--shrink-batch", action=argparse.BooleanOptionalAction, default=None,
                         help="move a batch's running requests onto smaller batch sizes already run as others stop "
-                             "(default: the speculator's, on without CUDA graphs; list --batch-sizes smallest "
-                             "first so the smaller sizes exist)")  # fmt: skip
+                             "(default: the speculator's, on; list --batch-sizes smallest first so the smaller "
+                             "sizes exist)")  # fmt: skip
     parser.add_argument("--shrink-ab", action="store_true",
                         help="time every treecompile row with shrinking off and, at batch sizes after a smaller "
                              "one, again with it on in a '+shrink' row: same speculator and graphs, passes "
