@@ -177,8 +177,12 @@ def main() -> None:
                 sweep.append(dataclasses.replace(default, l2_prefetch=tiles_ahead))
         if mid:  # MMA tiles over 1-4 splits of K; the gemv kernel (dependent launch) where it takes the rows
             smoke_mid = mode == "mid-smoke"
+            # ~24-36 tiles a shape (compiles dominate a sweep): 256-wide K steps only over K >= 1024, and the
+            # splits at 3 stages only
             for bn, bk, stages, sk in itertools.product((16,) if smoke_mid else (16, 32, 64), (64,) if smoke_mid else (64, 128, 256),
                                                         (3,) if smoke_mid else (3, 4), (1, 2) if smoke_mid else (1, 2, 4)):  # fmt: skip
+                if not smoke_mid and ((bk == 256 and K < 1024) or (sk > 1 and stages != 3)):
+                    continue
                 if bk <= max(16, 1 << (K - 1).bit_length()) and triton_cdiv(K, bk) >= sk:
                     sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
                                                       split_k=sk))  # fmt: skip
