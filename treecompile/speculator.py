@@ -44,6 +44,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 from typing import Sequence
 
 import torch
@@ -275,7 +276,7 @@ class TreeSpeculator:
         (4, 4, 16) 12826 -> 14361 tokens/s, (2, 3, 6) 16053 -> 16571, same speculator and graphs
         (BENCHMARKS.md, twenty-seventh session); at batch 4 it is within noise (batch 1 rounds cost about
         what batch 4's do). Only sizes that ran before are used, so a speculator that only ever saw one
-        batch size never shrinks.
+        batch size never shrinks: :meth:`warm_up` runs the sizes to shrink onto ahead of time.
     """
 
     def __init__(
@@ -553,6 +554,38 @@ class TreeSpeculator:
             r += len(counts)
         self._state = None
         return GenerateOutput(sequences=sequences, accept_lengths=accepted)
+
+    def warm_up(self, batch_sizes=(1,), prompt_len: int = 8) -> list[int]:
+        """Compile (and, with CUDA graphs, capture) everything a request of each of ``batch_sizes`` runs,
+        before any real request: one short ``generate`` per size, smallest first, on a dummy prompt of
+        ``prompt_len`` tokens with no EOS, long enough for a prefill chunk and at least two rounds. Then the
+        first real request pays no compile, and a batch can shrink onto every warmed size below its own
+        (``shrink_batch``: it only ever moves onto sizes that already ran). Nothing of the dummy requests
+        stays in the caches. With Inductor on the H200 host a size takes ~40-70 s the first time (the
+        compile cache makes later processes faster). Returns the sizes warmed, in order."""
+        if isinstance(batch_sizes, int) and not isinstance(batch_sizes, bool):
+            batch_sizes = (batch_sizes,)
+        try:
+            sizes = sorted(dict.fromkeys(_positive_int("batch_sizes", b) for b in batch_sizes))
+        except TypeError:
+            raise ValueError(f"batch_sizes: expected an int or a sequence of positive ints, got {batch_sizes!r}") from None
+        if not sizes:
+            raise ValueError("batch_sizes: expected at least one batch size, got none")
+        if sizes[-1] > self.max_batch_size:
+            raise ValueError(f"batch_sizes: {sizes[-1]} exceeds max_batch_size {self.max_batch_size}")
+        prompt_len = _positive_int("prompt_len", prompt_len)
+        new_tokens = 2 * (self.steps + 1) + 1  # a round emits at most steps + 1 tokens: >= 2 rounds
+        ids = (torch.arange(prompt_len, device=self.device) % self.vocab_size).repeat(sizes[-1], 1)
+        shrink, self.shrink_batch = self.shrink_batch, False  # each size runs its own rounds to the end
+        try:
+            for b in sizes:
+                t0 = time.perf_counter()
+                # eos_token_id=[]: no EOS, so no dummy request stops before the rounds ran
+                self.generate(ids[:b], max_new_tokens=new_tokens, eos_token_id=[])
+                logger.info("warm_up: batch %d ready in %.1f s", b, time.perf_counter() - t0)
+        finally:
+            self.shrink_batch = shrink
+        return sizes
 
     def _results(self, st, B: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Generated counts ``[B]`` and tokens ``[B, max count]`` (host) by original request: the rows still

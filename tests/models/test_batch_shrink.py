@@ -43,6 +43,49 @@ def test_shrinking_batch_matches_hf_greedy(family):
     assert spec.shrinks > before, "no batch shrank: the path went untested"
 
 
+def test_warm_up_prepares_the_sizes_a_batch_shrinks_onto_and_leaves_no_state():
+    """``warm_up`` runs each size once (smallest first): a later batch of 3 shrinks onto them, and its outputs
+    equal HF greedy, as they do on a speculator that never warmed up."""
+    model = tiny_attention_model("llama", seed=3)
+    drafter = OracleDrafter.build(model, noise=0.6, seed=2)
+    kwargs = dict(topk=2, steps=3, num_nodes=6, max_batch_size=3, max_seq_len=96, page_size=8)
+    spec = TreeSpeculator(model, drafter, **kwargs)
+    assert spec.warm_up((2, 1, 2)) == [1, 2]
+    assert {1, 2} <= set(spec._buffers) and 3 not in spec._buffers
+    assert spec.shrinks == 0 and spec.shrink_batch is True  # no shrink inside the warm-up; the flag is back
+    g = torch.Generator().manual_seed(9)
+    ids, mask = ragged_batch(g, 3)
+    plain = hf_greedy(model, ids, mask, 20)
+    eos = int(plain[0, ids.shape[1] + 4])  # request 0 stops early: the other two run on in a smaller batch
+    out = spec.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=eos, pad_token_id=0)
+    assert_same(out, hf_greedy(model, ids, mask, 20, eos=eos))
+    assert spec.shrinks > 0
+    cold = TreeSpeculator(model, drafter, **kwargs).generate(ids, attention_mask=mask, max_new_tokens=20,
+                                                             eos_token_id=eos, pad_token_id=0)  # fmt: skip
+    assert torch.equal(out.sequences, cold.sequences)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (((),), "batch_sizes: expected at least one batch size"),
+        (((1, 4),), "batch_sizes: 4 exceeds max_batch_size 3"),
+        (((0,),), "batch_sizes: expected a positive int, got 0"),
+        (("12",), "batch_sizes: expected a positive int, got '1'"),
+        ((None,), "batch_sizes: expected an int or a sequence of positive ints, got None"),
+        (((1,), 0), "prompt_len: expected a positive int, got 0"),
+    ],
+    ids=["empty", "past-max-batch", "zero", "string", "none", "prompt-len-0"],
+)
+def test_warm_up_refuses_bad_sizes_before_running_anything(args, match):
+    model = tiny_attention_model("llama", seed=3)
+    spec = TreeSpeculator(model, OracleDrafter.build(model, noise=0.6, seed=2), topk=2, steps=3, num_nodes=6,
+                          max_batch_size=3, max_seq_len=96, page_size=8)  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        spec.warm_up(*args)
+    assert not spec._buffers  # nothing ran
+
+
 def test_an_early_eos_shrinks_the_batch_and_every_request_keeps_its_tokens():
     model = tiny_attention_model("llama", seed=3)
     drafter = OracleDrafter.build(model, noise=0.6, seed=2)
@@ -113,9 +156,8 @@ def test_gpu_captured_rounds_shrink_onto_captured_sizes(family, device="cuda"):
     spec = TreeSpeculator(model, drafter, shrink_batch=True, **kwargs)
     assert spec.cuda_graphs and spec.lookahead
     g = torch.Generator().manual_seed(0)
-    for b in (1, 2):  # capture the smaller sizes
-        spec.generate(torch.randint(1, 128, (b, 9), generator=g).to(device), max_new_tokens=8)
-    assert set(spec._graphs) == {1, 2}
+    assert spec.warm_up((1, 2)) == [1, 2]  # capture the smaller sizes
+    assert set(spec._graphs) == {1, 2} and set(spec._prefill_graphs) == {1, 2}
     ids = torch.randint(1, 128, (3, 11), generator=g)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
