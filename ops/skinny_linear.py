@@ -15,7 +15,7 @@ Past 64 rows (a batch of trees: 4 requests x 24 nodes is 96 verify rows) the MMA
 shapes run the kernel only where ``tests/gpu/skinny_sweep.py out.json rows`` measured it faster than cuBLAS,
 like every other shape: until then they stay on cuBLAS.
 
-Two kernels: the MMA tiles above (16-256 rows), and for <= 8 rows a multiply-add "gemv" kernel (no 16-row
+Two kernels: the MMA tiles above (16-256 rows), and for <= 16 rows a multiply-add "gemv" kernel (no 16-row
 MMA padding; 4-8 wide output slices, so a 576-wide layer still has 144 programs), optionally launched as a
 programmatic dependent launch: its programs become resident while the previous kernel drains (SmolLM2's
 1-row o projection: 3.35 us cuBLAS, 2.24 us gemv, 1.99 us gemv_pdl).
@@ -71,7 +71,9 @@ __all__ = [
 
 MAX_ROWS = 256
 ROW_BLOCK = 64  # rows a default MMA tile takes past 64 rows (more rows: more row blocks)
-GEMV_MAX_ROWS = 8  # the multiply-add (gemv) kernel's rows: its accumulator is [BLOCK_M, BLOCK_N, BLOCK_K]
+GEMV_MAX_ROWS = 16  # the multiply-add (gemv) kernel's rows: its accumulator is [BLOCK_M, BLOCK_N, BLOCK_K]
+# (16 rows: a (4, 4, 16) tree's verify; whether the gemv beats the 16-row MMA tile there is for the sweep's "mid"
+# mode to say: the shipped table has no gemv entry past 8 rows)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -283,18 +285,25 @@ def register_tiles(rows) -> int:
     return added
 
 
+def _kind(entry: tuple) -> str:
+    return entry[6] if len(entry) > 6 else "dot"
+
+
 def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     """The swept tiles for ``[M, K] x [N, K]^T`` when the sweep found them faster than cuBLAS, else None (the
     shape stays on cuBLAS). The nearest swept M of the same (N, K) in M's band stands in for M; a shape never
     swept is None: on unmeasured shapes cuBLAS is the safe default, and so is anything past ``MAX_ROWS``."""
     if not 1 <= M <= MAX_ROWS:
         return None
-    swept = [(m, v) for (m, n, k), v in _MEASURED.items() if n == N and k == K and _band(m) == _band(M)]
+    # A gemv entry of <= 8 rows stands in for up to 8 (the kernel's limit until the twenty-seventh session);
+    # 9-16 rows take a gemv entry only from a sweep at 9-16 rows (a bigger accumulator than 8 rows times)
+    swept = [(m, v) for (m, n, k), v in _MEASURED.items() if n == N and k == K and _band(m) == _band(M)
+             and (_kind(v) == "dot" or M <= 8 or (m > 8 and M <= GEMV_MAX_ROWS))]  # fmt: skip
     if not swept:
         return None
     _, entry = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
     block_n, block_k, warps, stages, us, cublas_us = entry[:6]
-    kind = entry[6] if len(entry) > 6 else "dot"
+    kind = _kind(entry)
     split_k = entry[7] if len(entry) > 7 else 1
     l2_prefetch = entry[8] if len(entry) > 8 else 0
     block_m = entry[9] if len(entry) > 9 else 0
@@ -305,8 +314,6 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     if block_m:
         tiles["block_m"] = block_m
     if kind != "dot":
-        if M > GEMV_MAX_ROWS:  # a gemv measured at fewer rows does not stand in for this many
-            return None
         return gemv_config(M, N, K, pdl=kind == "gemv_pdl", **tiles)
     return choose_skinny_config(M, N, K, **tiles)
 
@@ -329,11 +336,15 @@ def choose_skinny_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
 
 def gemv_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
     """Tiles for the gemv kernel (M <= GEMV_MAX_ROWS): all rows in one program, 8-wide slices of the output
-    features (N / 8 programs: 512 for a 4096-wide layer, so every SM has several), 512-wide K steps."""
+    features (N / 8 programs: 512 for a 4096-wide layer, so every SM has several), 512-wide K steps (128 for
+    9-16 rows)."""
     if not 1 <= M <= GEMV_MAX_ROWS:
         raise ValueError(f"M: the gemv kernel takes 1..{GEMV_MAX_ROWS} rows, got {M}")
+    block_m = triton.next_power_of_2(M)
     block_k = min(512, max(16, triton.next_power_of_2(K)))
-    cfg = dict(block_m=triton.next_power_of_2(M), block_n=8, block_k=block_k, gemv=True)
+    if block_m > 8:  # 9-16 rows: keep the [BLOCK_M, BLOCK_N, BLOCK_K] accumulator at 16k float32 elements
+        block_k = min(block_k, 16384 // (block_m * 8))
+    cfg = dict(block_m=block_m, block_n=8, block_k=block_k, gemv=True)
     cfg.update(override)
     return SkinnyConfig(**cfg)
 

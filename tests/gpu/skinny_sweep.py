@@ -29,7 +29,7 @@ a wider and a narrower slice, and for <= 8 rows the gemv kernel as a dependent l
 ``mid``: the row counts one batch-1 round runs between the swept 1, 8 and 64: draft lanes of K = 4 (and a
 batch-4 decode), the verify of a (4, 4, 16) tree (16 rows) and of a (4, 6, 32) one (32). SmolLM2's target
 shapes and the shipped head's (q/k/v over its 2 x 576 input, fc, the 12288-id LM head); per shape cuBLAS, the
-shipped choice, MMA tiles over 1-4 splits of K, and for <= 8 rows the gemv kernel as a dependent launch.
+shipped choice, MMA tiles over 1-4 splits of K, and for <= 16 rows the gemv kernel as a dependent launch.
 
 ``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
 rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
@@ -188,7 +188,7 @@ def main() -> None:
                                                       split_k=sk))  # fmt: skip
             if M <= GEMV_MAX_ROWS:
                 # the [BLOCK_M, BLOCK_N, BLOCK_K] float32 accumulator: at most 16k elements
-                gemv_grid = [(4, 16, 4, 2)] if smoke_mid else itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (2, 3))
+                gemv_grid = [(4, 16, 4, 2)] if smoke_mid else itertools.product((4, 8, 16), (128, 256, 512, 1024), (4, 8), (2, 3))
                 for bn, bk, warps, stages in gemv_grid:
                     if max(1, 1 << (M - 1).bit_length()) * bn * bk <= 16384 and bk <= max(16, 1 << (K - 1).bit_length()):
                         sweep.append(gemv_config(M, N, K, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,

@@ -81,6 +81,32 @@ def test_batch_rows_stay_on_cublas_until_measured(monkeypatch):
         skinny_linear.register_tiles([row])
 
 
+def test_a_gemv_entry_past_8_rows_needs_a_sweep_past_8_rows(monkeypatch):
+    """The gemv kernel takes up to 16 rows (a (4, 4, 16) verify), but a gemv winner swept at <= 8 rows serves
+    <= 8 rows only: 9-16 rows take the band's MMA entry unless a 9-16-row gemv entry exists; no gemv entry
+    takes past GEMV_MAX_ROWS."""
+    from treecompile.ops import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "_MEASURED", {})
+
+    def row(M, kind, us):
+        best = dict(block_n=8 if kind != "dot" else 32, block_k=128, warps=4, stages=3, us=us, kind=kind)
+        return dict(M=M, N=96, K=512, cublas_us=10.0, best=best)
+
+    assert skinny_linear.register_tiles([row(8, "gemv_pdl", 5.0), row(16, "dot", 6.0)]) == 2
+    assert skinny_linear.measured_tiles(6, 96, 512).gemv
+    for M in (9, 12, 16):
+        cfg = skinny_linear.measured_tiles(M, 96, 512)
+        assert not cfg.gemv and cfg.block_n == 32, M  # the 16-row MMA entry, not the 8-row gemv
+    assert skinny_linear.register_tiles([row(12, "gemv_pdl", 4.0)]) == 1
+    cfg = skinny_linear.measured_tiles(13, 96, 512)  # nearest: the 12-row gemv
+    assert cfg.gemv and cfg.pdl and cfg.block_m == 16
+    assert not skinny_linear.measured_tiles(16, 96, 512).gemv  # its own 16-row MMA entry is nearer
+    assert skinny_linear.measured_tiles(17, 96, 512) is None  # band 2: nothing swept there
+    with pytest.raises(ValueError, match=f"needs M <= {skinny_linear.GEMV_MAX_ROWS}"):
+        skinny_linear.register_tiles([row(32, "gemv", 4.0)])
+
+
 def test_the_shipped_table_sends_smollm2_batch_verify_where_it_was_measured_faster():
     """SmolLM2's 65-256-row GEMMs (batch 4 or 16 of trees) from the sweep: Triton row blocks where they beat
     cuBLAS, cuBLAS where it won (gate/up at 96 rows, the LM head), nothing past 256 rows."""
@@ -139,7 +165,8 @@ def test_bias_column_of_a_wider_table(kernel_device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "M,N,K,bias,block_n,block_k",
-    [(1, 40, 64, False, 8, 32), (3, 17, 50, True, 4, 16), (8, 33, 96, True, 16, 64), (5, 9, 200, False, 2, 128)],
+    [(1, 40, 64, False, 8, 32), (3, 17, 50, True, 4, 16), (8, 33, 96, True, 16, 64), (5, 9, 200, False, 2, 128),
+     (16, 13, 72, True, 4, 32), (11, 20, 40, False, 8, 16)],
 )
 def test_gemv_matches_float64_linear(dtype, M, N, K, bias, block_n, block_k):
     """The multiply-add kernel: N not a multiple of the slice, K not a multiple of the step (the double
@@ -246,8 +273,8 @@ def test_l2_prefetch_env_is_checked_and_changes_no_result(monkeypatch, kernel_de
 
 
 def test_gemv_config_refuses_too_many_rows():
-    with pytest.raises(ValueError, match="M: the gemv kernel takes 1..8 rows"):
-        gemv_config(9, 16, 16)
+    with pytest.raises(ValueError, match="M: the gemv kernel takes 1..16 rows"):
+        gemv_config(17, 16, 16)
     x, w, _ = _inputs(4, 16, 16, torch.float32, False)
     with pytest.raises(ValueError, match="block_m=2 must cover"):
         _launch_skinny_linear(x, w, None, torch.empty(4, 16), config=gemv_config(2, 16, 16))
@@ -285,10 +312,11 @@ def test_bad_input_names_the_argument(make, match):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize(
     "M,N,K,kind",
-    [(M, N, K, kind) for M, N, K in [(1, 960, 576), (8, 8192, 576), (64, 3072, 576), (1, 6144, 4096), (3, 100, 70)]
+    [(M, N, K, kind) for M, N, K in [(1, 960, 576), (8, 8192, 576), (16, 960, 576), (64, 3072, 576), (1, 6144, 4096),
+                                     (3, 100, 70)]
      for kind in ("table", "table_pdl_env", "table_l2", "gemv", "gemv_pdl", "gemv_pdl_prefetch", "dot_split4",
                   "gemv_split4")
-     if not kind.startswith("gemv") or M <= 8],  # gemv: <= 8 rows
+     if not kind.startswith("gemv") or M <= 16],  # gemv: <= 16 rows
 )
 def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K, kind):
     """Each kernel in a CUDA graph, after another kernel that writes x (so a dependent launch that read x

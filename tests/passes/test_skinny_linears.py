@@ -81,7 +81,7 @@ def test_measured_tiles_bands_and_nearest_row_count(monkeypatch):
 
 def test_measured_gemv_kinds(monkeypatch):
     """A sweep's gemv / gemv_pdl winners come back as gemv configs for their band's row counts <= 8;
-    above 8 rows a gemv entry does not stand in; a bad kind is refused by name."""
+    above 8 rows an entry swept at <= 8 does not stand in; a bad kind is refused by name."""
     monkeypatch.setattr(skinny_op, "_MEASURED", {})
     row = lambda M, kind: dict(M=M, N=100, K=200, cublas_us=10.0, best=dict(block_n=4, block_k=128, warps=8, stages=2, us=8.0, kind=kind))  # noqa: E731
     assert register_tiles([row(1, "gemv_pdl"), row(4, "gemv")]) == 2
@@ -89,11 +89,11 @@ def test_measured_gemv_kinds(monkeypatch):
     assert (cfg.gemv, cfg.pdl, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) == (True, True, 1, 4, 128, 8)
     cfg = measured_tiles(7, 100, 200)  # M=4's gemv entry, rows rounded up to 8
     assert (cfg.gemv, cfg.pdl, cfg.block_m) == (True, False, 8)
-    assert measured_tiles(12, 100, 200) is None  # same band, but past the gemv kernel's rows: cuBLAS
+    assert measured_tiles(12, 100, 200) is None  # same band, but a gemv swept at <= 8 rows serves <= 8: cuBLAS
     with pytest.raises(ValueError, match="best.kind must be one of"):
         register_tiles([row(1, "wgmma")])
-    with pytest.raises(ValueError, match="needs M <= 8"):
-        register_tiles([row(16, "gemv")])
+    with pytest.raises(ValueError, match="needs M <= 16"):
+        register_tiles([row(17, "gemv")])
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
