@@ -575,6 +575,10 @@ class TreeSpeculator:
             raise ValueError(f"batch_sizes: {sizes[-1]} exceeds max_batch_size {self.max_batch_size}")
         prompt_len = _positive_int("prompt_len", prompt_len)
         new_tokens = 2 * (self.steps + 1) + 1  # a round emits at most steps + 1 tokens: >= 2 rounds
+        capacity = min(self.binding.capacity, self.draft_cache.capacity, self.max_seq_len)
+        if prompt_len + new_tokens + self.num_nodes > capacity:
+            raise ValueError(f"prompt_len: {prompt_len} + {new_tokens} warm-up tokens + num_nodes {self.num_nodes} "
+                             f"exceeds the cache capacity max_seq_len={self.max_seq_len}")
         ids = (torch.arange(prompt_len, device=self.device) % self.vocab_size).repeat(sizes[-1], 1)
         shrink, self.shrink_batch = self.shrink_batch, False  # each size runs its own rounds to the end
         try:

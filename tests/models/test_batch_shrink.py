@@ -74,8 +74,9 @@ def test_warm_up_prepares_the_sizes_a_batch_shrinks_onto_and_leaves_no_state():
         (("12",), "batch_sizes: expected a positive int, got '1'"),
         ((None,), "batch_sizes: expected an int or a sequence of positive ints, got None"),
         (((1,), 0), "prompt_len: expected a positive int, got 0"),
+        (((1,), 90), "prompt_len: 90 \\+ 9 warm-up tokens \\+ num_nodes 6 exceeds the cache capacity max_seq_len=96"),
     ],
-    ids=["empty", "past-max-batch", "zero", "string", "none", "prompt-len-0"],
+    ids=["empty", "past-max-batch", "zero", "string", "none", "prompt-len-0", "prompt-len-too-long"],
 )
 def test_warm_up_refuses_bad_sizes_before_running_anything(args, match):
     model = tiny_attention_model("llama", seed=3)

@@ -195,7 +195,9 @@ def test_shrink_ab_times_the_same_speculator_with_shrinking_off_then_on(tmp_path
     # shrink row moved at least that batch onto batch 1.
     assert rows[("tree(2,3,6)+shrink", 2)]["shrinks"] >= 1
     # Batch 2 of the tree: the warm-up, then per repeat two batches off, two on.
-    tree_b2 = [f for n, f in flags if n == 6][1 + 2 * 3:]  # after batch 1 (warm-up + 2 repeats x 3 batches)
+    tree_flags = [f for n, f in flags if n == 6]
+    assert not any(tree_flags[: 1 + 2 * 3])  # batch 1 (warm-up + 2 repeats x 3 batches): off, as every row
+    tree_b2 = tree_flags[1 + 2 * 3:]
     assert tree_b2 == [False] * 3 + [True] * 2 + [False] * 2 + [True] * 2, tree_b2
     assert flags[-1] == (6, True)
     assert "tree(2,3,6)+shrink:" in stdout

@@ -446,26 +446,27 @@ class E2EBench:
         gen = self.generator(config)
         warm = s.max_new_tokens if config.key == "hf_compile" else min(WARMUP_TOKENS, s.max_new_tokens)
         spec = self._specs.get(config.name)  # None for HF generate
+        ab = s.shrink_ab and spec is not None
         shrink_before = spec.shrink_batch if spec is not None else None
-        if twin is not None:
-            spec.shrink_batch = False
-        gen(*batches[0], warm)
-        sync(device)
-        row.warmup_s = time.time() - t0
-        _say(f"batch {b} {config.name}: warm-up {row.warmup_s:.1f} s")
         targets = (row,) if twin is None else (row, twin)
         passes = {id(r): [] for r in targets}
         try:
+            if ab:  # the row itself runs with shrinking off at every batch size
+                spec.shrink_batch = False
+            gen(*batches[0], warm)
+            sync(device)
+            row.warmup_s = time.time() - t0
+            _say(f"batch {b} {config.name}: warm-up {row.warmup_s:.1f} s")
             for _ in range(s.repeats):  # greedy: every pass emits the same tokens; the first is kept
                 for r in targets:
-                    if twin is not None:
+                    if ab:
                         spec.shrink_batch = r is twin
                     passes[id(r)].append(self._timed_pass(gen, batches, spec))
         finally:
-            if twin is not None:
+            if ab:
                 spec.shrink_batch = shrink_before
         for r in targets:
-            self._fill(r, passes[id(r)], config)
+            self._fill(r, passes[id(r)])
         if twin is not None:
             twin.warmup_s = row.warmup_s
         self._derive()
@@ -490,7 +491,7 @@ class E2EBench:
         return {"outputs": outputs, "alens": alens, "wall": wall, "brounds": brounds, "slots": slots,
                 "shrinks": shrinks}  # fmt: skip
 
-    def _fill(self, row: Row, passes: list[dict], config: Config) -> None:
+    def _fill(self, row: Row, passes: list[dict]) -> None:
         """A row from its timed passes: tokens/s from the median wall; tokens, tau and rounds from the first."""
         first = passes[0]
         outputs, alens, brounds, slots = first["outputs"], first["alens"], first["brounds"], first["slots"]
