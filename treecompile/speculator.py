@@ -30,7 +30,8 @@ max_new_tokens) stop committing; their rows keep replaying the same round harmle
 Graph safety: every tensor a round reads or writes is allocated once per ``generate`` call (per batch) and
 updated in place; rounds contain no host syncs. The loop reads one flag per round (is any request still
 running?). With ``cuda_graphs=True`` (CUDA only) the draft round and the verify round (which ends with the
-commit) are each captured once per batch size after an eager warm-up round and replayed. Draft and verify
+commit) are each captured once per batch size after an eager warm-up round and replayed
+(``TREECOMPILE_ROUND_GRAPHS=1``: the whole round as one graph, measured no faster). Draft and verify
 are idempotent over the committed state (they only overwrite scratch rows past ``vc``), so the side-stream
 warm-up before the capture cannot corrupt a request; the commit is recorded, not run, by the capture. A
 prefill chunk is captured too (``_prefill_graph``); it commits linear-attention state, so its capture undoes
@@ -119,6 +120,22 @@ def _greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 COMPILED_COMMIT_ENV = "TREECOMPILE_COMPILED_COMMIT"
 COMPILED_DRAFT_ENV = "TREECOMPILE_COMPILED_DRAFT"
+# "2" (default): the draft and the verify (+ commit) are two captured graphs; "1": the round is one.
+ROUND_GRAPHS_ENV = "TREECOMPILE_ROUND_GRAPHS"
+
+
+def round_graphs_from_env() -> int:
+    """Graphs a captured round is split into, from ``TREECOMPILE_ROUND_GRAPHS`` (default 2: the draft, then
+    the verify + commit, which profiles them apart). One graph removes the graph boundary between the draft's
+    last kernel and the verify's first; on the H200 it measured the same end to end (SmolLM2, batch 1, all 56
+    held-out prompts, both forms on one speculator, passes alternating: plain +0.8%, trees (4, 4, 16) and
+    (10, 6, 64) -0.2% / -0.3%; twenty-eighth session, BENCHMARKS.md), so it stays opt-in."""
+    raw = os.environ.get(ROUND_GRAPHS_ENV, "").strip()
+    if raw in ("", "2"):
+        return 2
+    if raw == "1":
+        return 1
+    raise ValueError(f"{ROUND_GRAPHS_ENV}: must be 1 (one graph a round) or 2 (draft, verify), got {raw!r}")
 
 
 def _commit_tokens(
@@ -236,7 +253,8 @@ class TreeSpeculator:
         share one compiled graph.
     inductor : compile the rewritten target and the drafter's round hooks with Inductor (default: on CUDA
         only).
-    cuda_graphs : capture and replay the draft and verify rounds and the prefill chunk (default: on CUDA).
+    cuda_graphs : capture and replay the draft and verify (+ commit) rounds and the prefill chunk (default: on
+        CUDA).
         Each batch size's graphs keep their own memory pools (the prefill one holds a chunk's activations and
         its ``[B, prefill_chunk, vocab]`` logits).
     do_sample : only greedy is supported; True is refused at startup by capability resolution.
@@ -308,6 +326,7 @@ class TreeSpeculator:
         steps = _positive_int("steps", steps)
         num_nodes = _positive_int("num_nodes", num_nodes)
         max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        round_graphs = round_graphs_from_env()  # refused before the caches are bound
         if num_nodes > MAX_NODES:
             raise ValueError(f"num_nodes: the tree must have 1..{MAX_NODES} nodes, got {num_nodes}")
         if topk == 1:  # the chain: N - 1 drafted tokens, one per step
@@ -397,6 +416,7 @@ class TreeSpeculator:
         self.shrinks = 0  # batch shrinks so far (all generate calls)
         # A shrink permutes page-table rows: a drafter whose cache is not a PagedKVCache keeps its batch.
         self._shrinkable = hasattr(self.draft_cache, "page_table") and hasattr(self.draft_cache, "lengths")
+        self.round_graphs = round_graphs
         self._graphs: dict[int, tuple] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[int, dict] = {}
@@ -871,9 +891,9 @@ class TreeSpeculator:
     def _round(self, st) -> None:
         B = st["B"]
         graphs = self._graphs.get(B) if self.cuda_graphs else None
-        if graphs is not None:  # the verify graph commits too: a round is two launches
-            graphs[0].replay()
-            graphs[1].replay()
+        if graphs is not None:  # the draft's and the verify's launches (one, ``round_graphs=1``)
+            for graph in graphs:
+                graph.replay()
             return
         self._draft_fn(st)
         self._verify_round(st)
@@ -978,9 +998,10 @@ class TreeSpeculator:
     # ---------------------------------------------------------------------------------------------------
 
     def _capture(self, st) -> None:
-        """Capture the draft and verify (+ commit) rounds for this batch size, after the eager warm-up round
-        committed. The side-stream warm-up recomputes the next round's draft and verify from the committed
-        state (idempotent: the first replay recomputes the same); the capture itself runs nothing."""
+        """Capture the round for this batch size, after the eager warm-up round committed: the draft and the
+        verify (+ commit) as two graphs, or with ``round_graphs=1`` all three as one. The side-stream
+        warm-up recomputes the next round's draft and verify from the committed state (idempotent: the first
+        replay recomputes the same); the capture itself runs nothing."""
         B = st["B"]
         if B in self._graphs:
             return
@@ -991,14 +1012,18 @@ class TreeSpeculator:
             self._verify_round(st)
         torch.cuda.current_stream().wait_stream(stream)
         pool = torch.cuda.graph_pool_handle()
-        draft_graph, verify_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.graph(draft_graph, pool=pool):
+        graphs = tuple(torch.cuda.CUDAGraph() for _ in range(self.round_graphs))
+        # The commit is ~30 small kernels: eager, their launches cost more host time than a small target's
+        # whole verify (0.5-0.7 ms a round at SmolLM2 shapes on the H200); captured, the GPU runs them back to
+        # back. In one graph no graph boundary sits between the draft's last kernel and the verify's first.
+        with torch.cuda.graph(graphs[0], pool=pool):
             self._draft_fn(st)
-        with torch.cuda.graph(verify_graph, pool=pool):
-            self._verify_round(st)
-            # The commit is ~30 small kernels: eager, their launches cost more host time than a small
-            # target's whole verify (0.5-0.7 ms a round at SmolLM2 shapes on the H200); captured, the GPU
-            # runs them back to back.
-            self._commit(st)
-        self._graphs[B] = (draft_graph, verify_graph)
-        logger.info("captured the draft and verify (+ commit) rounds for batch %d", B)
+            if len(graphs) == 1:
+                self._verify_round(st)
+                self._commit(st)
+        if len(graphs) == 2:
+            with torch.cuda.graph(graphs[1], pool=pool):
+                self._verify_round(st)
+                self._commit(st)
+        self._graphs[B] = graphs
+        logger.info("captured the round for batch %d (%d graph%s)", B, len(graphs), "s" * (len(graphs) > 1))

@@ -1,8 +1,9 @@
 """Where a generate round's wall time goes at SmolLM2-135M shapes (GPU; random weights, so timing only).
 
 For each config (plain decode = a one-node tree, a tree) it times, after the warm-up that captures the graphs:
-the whole ``generate`` per round (wall; interleaved with ``lookahead`` off and on), the draft and verify
-(+ commit) graphs alone (CUDA events over back-to-back replays) and the host time to launch one replay. The
+the whole ``generate`` per round (wall; interleaved with ``lookahead`` off and on), the round's graph alone
+(the draft and verify (+ commit) graphs apart, or with ``TREECOMPILE_ROUND_GRAPHS=1`` the one round graph;
+CUDA events over back-to-back replays) and the host time to launch one replay. The
 difference between a round's wall time and the GPU time of its parts is time the GPU waits for the host.
 
     python3 tests/gpu/loop_profile.py out.json [PROFILE_DIR|-] [fuse]
@@ -94,19 +95,21 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
     spec._prefill(st, 40)
     for _ in range(3):
         spec._round(st)
-    draft, verify = spec._graphs[batch]
+    graphs = spec._graphs[batch]  # (draft, verify + commit) or, with TREECOMPILE_ROUND_GRAPHS=1, (round,)
+    named = dict(zip(("draft", "verify") if len(graphs) == 2 else ("round",), graphs))
     best = {la: min(w for w, _ in v) for la, v in walls.items()}
     out = dict(shape=list(shape), batch=batch, inductor=inductor, fuse_projections=fuse, rounds=rounds,
                tokens=int(res.sequences.shape[1] - 40),
                ms_per_round_sync=best[False] / rounds, ms_per_round_lookahead=best[True] / rounds,
                walls_ms={str(k): [round(w, 2) for w, _ in v] for k, v in walls.items()},
-               draft_gpu_ms=gpu_ms(draft.replay, 50), verify_commit_gpu_ms=gpu_ms(verify.replay, 50),
-               replay_host_ms=host_ms(verify.replay, 50),
+               round_graphs=len(graphs), replay_host_ms=host_ms(graphs[-1].replay, 50),
                any_host_ms=host_ms(lambda: bool(st["running"].any()), 50))  # fmt: skip
+    for name, graph in named.items():
+        out[f"{name}_gpu_ms" if name != "verify" else "verify_commit_gpu_ms"] = gpu_ms(graph.replay, 50)
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
-        for name, graph in (("draft", draft), ("verify", verify)):
+        for name, graph in named.items():
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     graph.replay()
@@ -115,7 +118,7 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
             tag = f"{name}_{k}_{s}_{n}_b{batch}_{'inductor' if inductor else 'eager'}{'_fused' if fuse else ''}"
             with open(f"{profile_dir}/{tag}.txt", "w") as f:
                 f.write(f"{tag}: 5 replays\n{table}\n")
-    gpu = out["draft_gpu_ms"] * (n > 1) + out["verify_commit_gpu_ms"]
+    gpu = out["round_gpu_ms"] if "round_gpu_ms" in out else out["draft_gpu_ms"] * (n > 1) + out["verify_commit_gpu_ms"]
     out["idle_ms_per_round_sync"] = out["ms_per_round_sync"] - gpu
     out["idle_ms_per_round_lookahead"] = out["ms_per_round_lookahead"] - gpu
     return out

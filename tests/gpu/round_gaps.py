@@ -10,12 +10,16 @@ final context.
     python3 tests/gpu/round_gaps.py out.json [prompt_len] [new_tokens]
 """
 
+import os
 import statistics
 import sys
 
 import torch
 
 from treecompile.speculator import TreeSpeculator
+
+# These probes time the draft and the verify graphs apart: two graphs a round (the default; kept if unset).
+os.environ.setdefault("TREECOMPILE_ROUND_GRAPHS", "2")
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from loop_profile import gpu_ms, run_shapes, smollm2_target_and_head  # noqa: E402

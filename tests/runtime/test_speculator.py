@@ -252,3 +252,20 @@ def test_inductor_compiled_target_and_draft_hooks_match_hf(monkeypatch):
     assert torch.equal(got, hf_greedy(model, ids, max_new_tokens=10))
     # target (prefill / verify shape) + step 0 + lanes + scoring at two shapes + the commit
     assert dynamo_utils.counters["stats"]["unique_graphs"] - frames >= 5
+
+
+@pytest.mark.parametrize("raw, graphs", [("", 2), ("2", 2), (" 1 ", 1)])
+def test_round_graphs_env(monkeypatch, raw, graphs):
+    """``TREECOMPILE_ROUND_GRAPHS``: two captured graphs a round (draft, verify) by default, one on request."""
+    from treecompile.speculator import round_graphs_from_env
+
+    monkeypatch.setenv("TREECOMPILE_ROUND_GRAPHS", raw)
+    assert round_graphs_from_env() == graphs
+
+
+@pytest.mark.parametrize("raw", ["0", "3", "two"])
+def test_round_graphs_env_refuses_other_values_by_name(monkeypatch, llama, raw):
+    monkeypatch.setenv("TREECOMPILE_ROUND_GRAPHS", raw)
+    with pytest.raises(ValueError, match=r"TREECOMPILE_ROUND_GRAPHS: must be 1 .* or 2"):
+        TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                       max_batch_size=1, max_seq_len=48, page_size=8)  # fmt: skip
