@@ -401,8 +401,7 @@ class TreeSpeculator:
             # fourteenth session's table) fuses with them; the hooks' own compiled functions are traced
             # through. Opt-in: GPU-tested, 1.8-2.8% off the 8B draft round, but within the noise end to end
             # and ~37 s more warm-up (eighteenth session, BENCHMARKS.md).
-            compiled = compile_inference(type(self)._draft_round, f"_draft_round_{id(self):x}")
-            self._draft_fn = functools.partial(compiled, self)
+            self._draft_fn = self._compiled_draft_round()
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too
             self.tree = DraftTree(topk, steps, num_nodes, inductor=True)
         self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)
@@ -900,6 +899,11 @@ class TreeSpeculator:
         self._commit(st)
         if self.cuda_graphs:  # after an eager commit: every kernel the capture records has run once
             self._capture(st)
+
+    def _compiled_draft_round(self):
+        """``_draft_round`` as one Inductor-compiled region bound to this speculator (the hooks traced through)."""
+        compiled = compile_inference(type(self)._draft_round, f"_draft_round_{id(self):x}")
+        return functools.partial(compiled, self)
 
     def _draft_round(self, st) -> None:
         """Step 0 and the lanes; leaves the selected tree in the TreeSpec and ``tree_tokens``. A one-node tree
