@@ -254,9 +254,8 @@ class TreeSpeculator:
     inductor : compile the rewritten target and the drafter's round hooks with Inductor (default: on CUDA
         only).
     cuda_graphs : capture and replay the draft and verify (+ commit) rounds and the prefill chunk (default: on
-        CUDA).
-        Each batch size's graphs keep their own memory pools (the prefill one holds a chunk's activations and
-        its ``[B, prefill_chunk, vocab]`` logits).
+        CUDA). Each batch size's graphs keep their own memory pools (the prefill one holds a chunk's
+        activations and its ``[B, prefill_chunk, vocab]`` logits).
     do_sample : only greedy is supported; True is refused at startup by capability resolution.
     replay_ssm : linear-attention layers commit by replaying the accepted path's payload rows (default);
         False stages every node's recurrent state (one per-layer scratch) and commits the last accepted
