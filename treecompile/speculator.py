@@ -124,6 +124,21 @@ COMPILED_DRAFT_ENV = "TREECOMPILE_COMPILED_DRAFT"
 ROUND_GRAPHS_ENV = "TREECOMPILE_ROUND_GRAPHS"
 
 
+def compiled_draft_from_env(device_type: str) -> bool:
+    """Whether the draft round compiles as one Inductor region, from ``TREECOMPILE_COMPILED_DRAFT`` ("1" on,
+    "0" off; unset: on for CUDA). Where the hooks use Inductor on CUDA it is the default: on the H200, SmolLM2
+    batch 1, all 56 held-out prompts, both forms captured on one speculator with passes alternating, it read
+    (4, 4, 16) 2516.6 -> 2578.4 tokens/s and (10, 6, 64) 2463.4 -> 2519.1 (+2.3-2.5%, twenty-ninth session,
+    BENCHMARKS.md); 8B draft round 1.242 -> 1.220 ms (eighteenth). It costs ~8-15 s more warm-up (SmolLM2) and
+    is not measured on CPU, where it stays off unless asked for."""
+    raw = os.environ.get(COMPILED_DRAFT_ENV, "").strip()
+    if raw == "":
+        return device_type == "cuda"
+    if raw not in ("0", "1"):
+        raise ValueError(f"{COMPILED_DRAFT_ENV}={raw!r}: expected '0' (per-hook draft) or '1' (one compiled region)")
+    return raw == "1"
+
+
 def round_graphs_from_env() -> int:
     """Graphs a captured round is split into, from ``TREECOMPILE_ROUND_GRAPHS`` (default 2: the draft, then
     the verify + commit, which profiles them apart). One graph removes the graph boundary between the draft's
@@ -326,6 +341,7 @@ class TreeSpeculator:
         num_nodes = _positive_int("num_nodes", num_nodes)
         max_batch_size = _positive_int("max_batch_size", max_batch_size)
         round_graphs = round_graphs_from_env()  # refused before the caches are bound
+        compiled_draft_from_env("cuda")  # the same for a misspelt TREECOMPILE_COMPILED_DRAFT
         if num_nodes > MAX_NODES:
             raise ValueError(f"num_nodes: the tree must have 1..{MAX_NODES} nodes, got {num_nodes}")
         if topk == 1:  # the chain: N - 1 drafted tokens, one per step
@@ -394,15 +410,17 @@ class TreeSpeculator:
             # tokens/s, tree (8, 6, 64) 2263.5 -> 2387.3, tokens equal on the GPU tests.
             self._commit_fn = compile_inference(_commit_tokens, f"_commit_tokens_{id(self):x}", fullgraph=True)
         self._draft_fn = self._draft_round
-        if self.draft_hooks.inductor and os.environ.get(COMPILED_DRAFT_ENV, "").strip() == "1":
+        if self.draft_hooks.inductor and self.num_nodes > 1 and compiled_draft_from_env(self.device.type):
             # The whole draft round as one compiled region: the eager glue between the hooks (positions,
-            # slots, masks, the tree's bookkeeping: 28 of a SmolLM2 (8, 6, 64) round's 170 kernels in the
-            # fourteenth session's table) fuses with them; the hooks' own compiled functions are traced
-            # through. Opt-in: GPU-tested, 1.8-2.8% off the 8B draft round, but within the noise end to end
-            # and ~37 s more warm-up (eighteenth session, BENCHMARKS.md).
+            # slots, masks, the tree's bookkeeping: ~15 eager kernels of a SmolLM2 (4, 4, 16) round) fuses
+            # with them; the hooks' own compiled functions are traced through. A plain decode drafts nothing.
             self._draft_fn = self._compiled_draft_round()
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too
             self.tree = DraftTree(topk, steps, num_nodes, inductor=True)
+        if self.tree is not None:
+            # Built before any trace: filled lazily inside the compiled draft round, the cache's emptiness was
+            # a guard that failed on the next call and compiled the whole round a second time.
+            self.tree._constants(self.device)
         self.draft_cache = drafter.new_cache(max_batch_size, self.max_seq_len, page_size=page_size, device=self.device)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"

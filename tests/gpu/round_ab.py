@@ -6,8 +6,8 @@ form alone. Each row says whether the forms' outputs were equal token for token.
 
 ``--ab round-graphs`` (twenty-eighth session): one captured graph a round (draft, verify, commit) against two
 (draft; verify + commit), ``TREECOMPILE_ROUND_GRAPHS`` 1 / 2.
-``--ab compiled-draft``: the draft round per hook (the default) against the whole draft round as one Inductor
-region (``TREECOMPILE_COMPILED_DRAFT=1``); its earlier A/Bs ran in separate processes.
+``--ab compiled-draft``: the draft round per hook (``TREECOMPILE_COMPILED_DRAFT=0``) against the whole draft round
+as one Inductor region (the CUDA default since the twenty-ninth session, which this A/B decided).
 
     python3 tests/gpu/round_ab.py out.json [--ab round-graphs|compiled-draft] [--prompts 56]
         [--trees "4,4,16;10,6,64"] [--repeats 2]

@@ -269,3 +269,55 @@ def test_round_graphs_env_refuses_other_values_by_name(monkeypatch, llama, raw):
     with pytest.raises(ValueError, match=r"TREECOMPILE_ROUND_GRAPHS: must be 1 .* or 2"):
         TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
                        max_batch_size=1, max_seq_len=48, page_size=8)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "raw, device, on",
+    [("", "cuda", True), ("", "cpu", False), (" 0 ", "cuda", False), ("1", "cpu", True), ("1", "cuda", True)],
+)
+def test_compiled_draft_env(monkeypatch, raw, device, on):
+    """``TREECOMPILE_COMPILED_DRAFT``: the whole-round draft region is the CUDA default (measured there), off on
+    CPU unless asked for, and "0" turns it off anywhere."""
+    from treecompile.speculator import compiled_draft_from_env
+
+    monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", raw)
+    assert compiled_draft_from_env(device) is on
+
+
+@pytest.mark.parametrize("raw", ["2", "yes", "on"])
+def test_compiled_draft_env_refuses_other_values_by_name(monkeypatch, llama, raw):
+    monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", raw)
+    with pytest.raises(ValueError, match=r"TREECOMPILE_COMPILED_DRAFT='.*': expected '0' .* or '1'"):
+        TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                       max_batch_size=1, max_seq_len=48, page_size=8)  # fmt: skip
+
+
+def test_inductor_on_cpu_keeps_the_per_hook_draft_by_default(monkeypatch, llama):
+    """Unset, a CPU speculator with Inductor hooks drafts hook by hook (the compiled round is a CUDA default),
+    and a plain decode (one node) never compiles a draft round it would not use."""
+    monkeypatch.delenv("TREECOMPILE_COMPILED_DRAFT", raising=False)
+    spec = TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                          max_batch_size=1, max_seq_len=48, page_size=8, inductor=True)  # fmt: skip
+    assert spec._draft_fn == spec._draft_round
+    monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", "1")
+    plain = TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=1, steps=1, num_nodes=1,
+                           max_batch_size=1, max_seq_len=48, page_size=8, inductor=True)  # fmt: skip
+    assert plain._draft_fn == plain._draft_round
+
+
+def test_compiled_draft_round_compiles_once(monkeypatch):
+    """The whole-round draft region compiles on the first round and is not compiled again on the next: a
+    guard that fails on the second call (the draft tree's step tables were once built lazily inside the
+    trace) compiled the round twice and, on CUDA, inside the host-sync check's second round."""
+    monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", "1")
+    model = tiny_llama(dtype=torch.float32, seed=4)
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=2, steps=3, num_nodes=6,
+                          max_batch_size=2, max_seq_len=64, page_size=8, inductor=True)  # fmt: skip
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    _, lengths, prompts = spec._prompts(ids, torch.ones_like(ids))
+    st = spec._new_state(len(lengths), lengths, prompts, [], 16)
+    spec._prefill(st, max(lengths))
+    spec._round(st)  # compiles every region once
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        spec._draft_fn(st)
+        spec._draft_fn(st)

@@ -159,7 +159,7 @@ def test_a_round_makes_no_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        spec._draft_round(st)
+        spec._draft_fn(st)  # the draft the rounds run: the compiled whole round on CUDA by default
         spec._verify_round(st)
         spec._commit(st)
     finally:
@@ -348,7 +348,7 @@ def test_fused_merges_and_the_draft_fold_change_no_token(monkeypatch, dtype):
 
 @pytest.mark.parametrize("topk", [4, 1], ids=["tree", "chain"])
 def test_compiled_draft_round_drafts_the_per_hook_tree(monkeypatch, topk):
-    """``TREECOMPILE_COMPILED_DRAFT=1`` (off by default): the whole draft round as one Inductor graph. With CUDA
+    """``TREECOMPILE_COMPILED_DRAFT`` ("1", the CUDA default, against "0"): the whole draft round as one Inductor graph. With CUDA
     graphs the generate stays equal to the per-hook speculator's tokens; from the state the requests left
     behind, the whole round drafts the per-hook round's tree (tokens, parents, masks) in float32."""
     model = tiny_llama()
