@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treecompile.compiling import compile_inference
+from treecompile.compiling import batch_key, compile_inference
 from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device
 
 logger = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class DraftTree:
         if self.inductor:
             tag = f"{id(self):x}"
             self._begin_fn, self._expand_fn, self._select_fn = (
-                compile_inference(f, f"{f.__name__}_{tag}", fullgraph=True)
+                compile_inference(f, f"{f.__name__}_{tag}", key=batch_key, fullgraph=True)
                 for f in (_begin_core, _expand_core, _select_core)
             )  # fmt: skip
         else:

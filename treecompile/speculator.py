@@ -50,7 +50,7 @@ from typing import Sequence
 
 import torch
 
-from treecompile.compiling import compile_inference
+from treecompile.compiling import batch_key, compile_inference
 from treecompile.draft_tree import DraftTree, LaneState
 from treecompile.drafter import DraftContext
 from treecompile.ops._common import MAX_NODES
@@ -71,6 +71,11 @@ _UNSET = object()
 MAX_EOS_IDS = 64
 
 
+def _round_batch(spec, st) -> int:
+    """A round function's compile key: its batch size (one code object each, see ``compile_inference``)."""
+    return st["B"]
+
+
 def _draft_hook(drafter, name: str, *args):
     return getattr(drafter, name)(*args)
 
@@ -81,8 +86,9 @@ class DraftHooks:
     With ``inductor`` each is compiled by Inductor (``dynamic=False``; graph breaks allowed, so a custom
     drafter with Python logic still runs): the midlayer's norms, RoPE, MLP glue and the LM head's softmax and
     top-k fuse around the treespec cache ops instead of running as dozens of small eager kernels per step
-    (BENCHMARKS.md, "Rounds"). Each hook gets a private code object per speculator, so shapes of different
-    speculators never share Dynamo's recompile limit (as :class:`treecompile.target.TargetRunner` does).
+    (BENCHMARKS.md, "Rounds"). Each hook gets a private code object per speculator, batch size and draft step
+    (``compile_inference(key=batch_key)``), so no shape ever queues behind another's guards or meets Dynamo's
+    recompile limit (as :class:`treecompile.target.TargetRunner` does per shape).
     """
 
     NAMES = ("draft_step0", "draft_lanes", "score_candidates")
@@ -93,7 +99,7 @@ class DraftHooks:
             if not self.inductor:
                 setattr(self, name, getattr(drafter, name))
                 continue
-            compiled = compile_inference(_draft_hook, f"_{name}_{id(self):x}")
+            compiled = compile_inference(_draft_hook, f"_{name}_{id(self):x}", key=batch_key)
             setattr(self, name, functools.partial(compiled, drafter, name))
 
 
@@ -408,7 +414,9 @@ class TreeSpeculator:
             # One Inductor graph for the commit's ~30 small ops (in place on the state: Inductor writes the
             # mutated inputs back). H200, SmolLM2 batch 1 (sixteenth session): plain decode 1307.6 -> 1421.2
             # tokens/s, tree (8, 6, 64) 2263.5 -> 2387.3, tokens equal on the GPU tests.
-            self._commit_fn = compile_inference(_commit_tokens, f"_commit_tokens_{id(self):x}", fullgraph=True)
+            self._commit_fn = compile_inference(
+                _commit_tokens, f"_commit_tokens_{id(self):x}", key=batch_key, fullgraph=True
+            )  # fmt: skip
         self._draft_fn = self._draft_round
         if self.draft_hooks.inductor and self.num_nodes > 1 and compiled_draft_from_env(self.device.type):
             # The whole draft round as one compiled region: the eager glue between the hooks (positions,
@@ -919,7 +927,7 @@ class TreeSpeculator:
 
     def _compiled_draft_round(self):
         """``_draft_round`` as one Inductor-compiled region bound to this speculator (the hooks traced through)."""
-        compiled = compile_inference(type(self)._draft_round, f"_draft_round_{id(self):x}")
+        compiled = compile_inference(type(self)._draft_round, f"_draft_round_{id(self):x}", key=_round_batch)
         return functools.partial(compiled, self)
 
     def _draft_round(self, st) -> None:

@@ -321,3 +321,20 @@ def test_compiled_draft_round_compiles_once(monkeypatch):
     with torch._dynamo.config.patch(error_on_recompile=True):
         spec._draft_fn(st)
         spec._draft_fn(st)
+
+
+@pytest.mark.parametrize("compiled_draft", ["0", "1"], ids=["per-hook", "whole-round"])
+def test_new_batch_sizes_compile_new_code_not_recompiles(monkeypatch, compiled_draft):
+    """Each compiled function of a round (the target's forward, the drafter's hooks, the draft tree, the
+    commit, the whole draft round) keeps a private code object per batch size (and per draft step): a
+    speculator serving a new batch size compiles new code and never recompiles old code, so Dynamo's
+    recompile limit (8 a code object; past it the fullgraph commit raised) never bounds the batch sizes."""
+    monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", compiled_draft)
+    model = tiny_llama(dtype=torch.float32, seed=5)
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=2, steps=3, num_nodes=6,
+                          max_batch_size=3, max_seq_len=64, page_size=8, inductor=True, shrink_batch=False)  # fmt: skip
+    ids = torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for b in (3, 1, 2):
+            out = spec.generate(ids[:b], max_new_tokens=8, eos_token_id=None)
+            assert torch.equal(out.sequences, hf_greedy(model, ids[:b], max_new_tokens=8))
