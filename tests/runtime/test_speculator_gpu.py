@@ -374,3 +374,19 @@ def test_compiled_draft_round_drafts_the_per_hook_tree(monkeypatch, topk):
         trees.append([t.clone() for t in (st["tree_tokens"], st["spec"].parents, st["spec"].ancestor_mask)])
     for got, want in zip(trees[1], trees[0]):
         assert torch.equal(got, want)
+
+
+def test_cuda_rounds_never_recompile_across_requests_and_batch_sizes():
+    """Every CUDA default (the compiled draft round, Inductor hooks, the compiled commit, CUDA graphs, skinny
+    linears): a second request and new batch sizes compile new code objects, never recompile an old one (a
+    recompile inside a round is a second compile, and once past Dynamo's limit of 8 the fullgraph commit raised).
+    A repeated batch-1 request (nothing smaller to shrink onto) gives its first tokens again."""
+    model = tiny_llama(torch.bfloat16)
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=4, steps=5, num_nodes=32,
+                          max_batch_size=3, max_seq_len=256)  # fmt: skip
+    ids, mask = ragged()
+    outs = []
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for b in (1, 3, 1, 2):
+            outs.append(spec.generate(ids[:b], mask[:b], max_new_tokens=24).sequences)
+    assert torch.equal(outs[0], outs[2])
