@@ -124,6 +124,38 @@ def inductor_pdl_patch(device: torch.device | None = None) -> dict:
     return {"triton.enable_pdl": True} if hasattr(inductor_config, "triton.enable_pdl") else {}
 
 
+COMBO_ENV = "TREECOMPILE_COMBO_KERNELS"
+
+
+def inductor_combo_patch(device: torch.device | None = None) -> dict:
+    """Inductor config patches that turn on its combo kernels for a treecompile compile on ``device`` (default:
+    the current CUDA device, if any): ``{"combo_kernels": True}`` on CUDA where this torch's Inductor has the
+    switch, else ``{}``; ``TREECOMPILE_COMBO_KERNELS=0`` turns it off.
+
+    Combo kernels launch independent small kernels of one graph as one (a layer's q and k rope, the draft
+    round's tree bookkeeping): at batch 1 a round is a chain of launch-bound kernels, and one launch fewer is
+    ~2 us. H200, SmolLM2-135M's shape, random weights, batch 1 (``tests/gpu/loop_profile.py`` with and without,
+    one machine; notes/gpu-2026-12-04-s31.md): plain decode round 0.685 -> 0.647 ms, (4, 4, 16) round 1.035 ->
+    0.967-0.970 ms; the 8B decode 4.597 -> 4.562 ms. The fused kernels compute what the separate ones did."""
+    if os.environ.get(COMBO_ENV, "1") == "0":
+        return {}
+    if device is None:
+        if not torch.cuda.is_available():
+            return {}
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda" or triton_interpret():
+        return {}
+    import torch._inductor.config as inductor_config
+
+    return {"combo_kernels": True} if hasattr(inductor_config, "combo_kernels") else {}
+
+
+def inductor_patches(device: torch.device | None = None) -> dict:
+    """Every Inductor config patch a treecompile compile on ``device`` gets: :func:`inductor_pdl_patch` and
+    :func:`inductor_combo_patch`. A user's other ``torch.compile`` calls keep Inductor's defaults."""
+    return {**inductor_pdl_patch(device), **inductor_combo_patch(device)}
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether an op call should take the Triton path: all tensors on CUDA and Triton importable."""
     return HAS_TRITON and all(t.is_cuda for t in tensors)

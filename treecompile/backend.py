@@ -77,12 +77,12 @@ def treespec_backend(
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        from treecompile.ops._common import inductor_pdl_patch
+        from treecompile.ops._common import inductor_patches
 
         patches = dict(list_mode_options(mode or "default"))
         cuda = next((t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda), None)
-        if cuda is not None:  # Hopper: Inductor's kernels as dependent launches, like treecompile's own
-            patches.update(inductor_pdl_patch(cuda))
+        if cuda is not None:  # dependent launches (Hopper) and combo kernels: ops/_common.inductor_patches
+            patches.update(inductor_patches(cuda))
         patches.update(settings.inductor_options)
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     binding = settings.binding

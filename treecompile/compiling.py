@@ -33,9 +33,9 @@ def compile_inference(fn: types.FunctionType, name: str, key: Callable | None = 
     and any other silently runs eager."""
     compile_kwargs.setdefault("dynamic", False)
     if "mode" not in compile_kwargs and "backend" not in compile_kwargs:
-        from treecompile.ops._common import inductor_pdl_patch
+        from treecompile.ops._common import inductor_patches
 
-        patch = inductor_pdl_patch()  # Hopper: Inductor's kernels as dependent launches, like treecompile's
+        patch = inductor_patches()  # dependent launches (Hopper) and combo kernels, like the target's compile
         if patch:
             compile_kwargs["options"] = {**patch, **compile_kwargs.get("options", {})}
     if key is None:

@@ -389,16 +389,43 @@ def test_dependent_launch_switch(monkeypatch):
     assert choose_config(1, 16, 8, 2, 64, 1024, torch.device("cpu"), pdl=True).pdl  # a sweep's override
 
 
+def test_combo_kernel_switch(monkeypatch):
+    """Inductor's combo kernels are on for treecompile's compiles on CUDA, never on the CPU or in the
+    interpreter; TREECOMPILE_COMBO_KERNELS=0 turns them off. inductor_patches merges them with the
+    dependent-launch patch."""
+    import torch._inductor.config as inductor_config
+
+    from treecompile.ops import _common
+
+    if not hasattr(inductor_config, "combo_kernels"):
+        pytest.skip("this torch's Inductor has no combo_kernels")
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(_common, "triton_interpret", lambda: False)
+    monkeypatch.delenv("TREECOMPILE_COMBO_KERNELS", raising=False)
+    assert _common.inductor_combo_patch(cuda0) == {"combo_kernels": True}
+    assert _common.inductor_combo_patch(torch.device("cpu")) == {}
+    monkeypatch.setattr(_common, "inductor_pdl_patch", lambda device=None: {"triton.enable_pdl": True})
+    assert _common.inductor_patches(cuda0) == {"triton.enable_pdl": True, "combo_kernels": True}
+    monkeypatch.setattr(_common, "triton_interpret", lambda: True)
+    assert _common.inductor_combo_patch(cuda0) == {}
+    monkeypatch.setattr(_common, "triton_interpret", lambda: False)
+    monkeypatch.setenv("TREECOMPILE_COMBO_KERNELS", "0")
+    assert _common.inductor_combo_patch(cuda0) == {}
+    assert _common.inductor_patches(cuda0) == {"triton.enable_pdl": True}
+
+
 def test_treecompile_compiles_ask_inductor_for_dependent_launches(monkeypatch):
-    """compile_inference (the drafter's hooks, DraftTree) passes Inductor the dependent-launch patch where
-    inductor_pdl_patch gives one, merged under the caller's own options, and none under a mode or another
-    backend (torch.compile takes options only with Inductor and without mode)."""
+    """compile_inference (the drafter's hooks, DraftTree) passes Inductor the dependent-launch and combo-kernel
+    patches where inductor_pdl_patch / inductor_combo_patch give them, merged under the caller's own options,
+    and none under a mode or another backend (torch.compile takes options only with Inductor and without
+    mode)."""
     from treecompile import compiling
     from treecompile.ops import _common
 
     seen = []
     monkeypatch.setattr(compiling.torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
     monkeypatch.setattr(_common, "inductor_pdl_patch", lambda device=None: {"triton.enable_pdl": True})
+    monkeypatch.setattr(_common, "inductor_combo_patch", lambda device=None: {})
 
     def f(x):
         return x + 1
@@ -412,6 +439,10 @@ def test_treecompile_compiles_ask_inductor_for_dependent_launches(monkeypatch):
     monkeypatch.setattr(_common, "inductor_pdl_patch", lambda device=None: {})
     compiling.compile_inference(f, "f_cpu")
     assert "options" not in seen[3]
+    monkeypatch.setattr(_common, "inductor_combo_patch", lambda device=None: {"combo_kernels": True})
+    compiling.compile_inference(f, "f_combo", options={"combo_kernels": False})
+    compiling.compile_inference(f, "f_combo2")
+    assert seen[4]["options"] == {"combo_kernels": False} and seen[5]["options"] == {"combo_kernels": True}
 
 
 def test_counter_tables_are_one_per_owner_and_never_resized():

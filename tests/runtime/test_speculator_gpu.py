@@ -320,6 +320,28 @@ def test_dependent_launches_change_no_token(monkeypatch, dtype):
     assert torch.equal(outs[0][1], outs[1][1])
 
 
+def test_combo_kernels_change_no_token(monkeypatch):
+    """Inductor's combo kernels (on by default for treecompile's compiles on CUDA) launch independent small
+    kernels of a graph as one: the same math, so in float32 the tokens and accept lengths must equal those of
+    the separate kernels (TREECOMPILE_COMBO_KERNELS=0), the compiled draft round included."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "combo_kernels"):
+        pytest.skip("this torch's Inductor has no combo_kernels")
+    model = tiny_llama(torch.float32)
+    ids, mask = ragged()
+    outs = []
+    for combo in (False, True):
+        monkeypatch.setenv("TREECOMPILE_COMBO_KERNELS", "1" if combo else "0")
+        torch._dynamo.reset()  # compile afresh under this config
+        drafter = EagleDrafter.for_target(model, seed=1).to("cuda", torch.float32)
+        spec = TreeSpeculator(model, drafter, topk=4, steps=5, num_nodes=32, max_batch_size=3, max_seq_len=256)
+        out = spec.generate(ids, mask, max_new_tokens=40)
+        outs.append((out.sequences, out.accept_lengths))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_merges_and_the_draft_fold_change_no_token(monkeypatch, dtype):
     """The launch savers, all on against all off: the draft top-k's merge inside its slice kernel
