@@ -304,8 +304,10 @@ class TreeSpeculator:
         an H200 sweep measured faster (the rest stay on cuBLAS). Default: on for 16-bit CUDA models, off
         otherwise; True on a CPU or float32 model is refused.
     lookahead : with CUDA graphs, launch each round before reading the previous round's stop flags, so the
-        GPU does not wait for the host between rounds (one extra round, which commits nothing, runs after
-        the last request stops). False reads the flags after every round (for A/B timing).
+        GPU does not wait for the host between rounds. With two round graphs and a real draft only the next
+        round's draft goes ahead of the read (its verify follows it), so after the last request stops one
+        extra draft runs, which commits nothing; plain decoding runs one extra whole round. False reads the
+        flags after every round (for A/B timing).
     shrink_batch : as requests of a batch stop, move the ones still running onto a smaller batch size that
         this speculator has already run (its compiled code and, with CUDA graphs, its captured rounds), so
         the tail of a batch stops paying for finished rows; nothing compiles or captures mid-request. Page
@@ -441,6 +443,12 @@ class TreeSpeculator:
         # A shrink permutes page-table rows: a drafter whose cache is not a PagedKVCache keeps its batch.
         self._shrinkable = hasattr(self.draft_cache, "page_table") and hasattr(self.draft_cache, "lengths")
         self.round_graphs = round_graphs
+        # With two round graphs and a real draft, the lookahead launches only the next round's draft before it
+        # reads the stop flags, and its verify after: the host reads the flags while that draft runs (a batch-1
+        # (4, 4, 16) SmolLM2 draft is ~0.19 ms on the H200, the host's read and launch tens of us), and the
+        # round launched after the last request stops costs a draft, not a whole round. False: whole rounds
+        # ahead (plain decoding always: its draft is one copy, too short to hide the host's read).
+        self.split_lookahead = True
         self._graphs: dict[int, tuple] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[int, dict] = {}
@@ -818,7 +826,8 @@ class TreeSpeculator:
         (``lookahead``), the host launches round r + 1 before it waits for round r's ``running`` flags
         (copied to pinned memory behind round r on the stream), so the GPU never idles while the host reads
         a flag and launches the next replays (H200, SmolLM2 shapes: tree (4, 6, 32) 2.091 -> 1.963 ms a round;
-        plain decode and tree (8, 6, 64) within 1%). The one round launched after the last request finished
+        plain decode and tree (8, 6, 64) within 1%). With two round graphs only round r + 1's draft goes ahead
+        of the read (``split_lookahead``). The one round (or draft) launched after the last request finished
         commits nothing (every request is stopped, as finished requests of a batch already are) and its
         all-zero counts are dropped. Where the flags allow a smaller batch (``shrink_batch``), the round in
         flight lands first, then the running requests move (``_shrink``) and the rounds go on there.
@@ -846,9 +855,12 @@ class TreeSpeculator:
             accepted.append((st["emitted"].clone(), st["requests"]))
         flags = torch.empty(2, B, dtype=torch.bool, pin_memory=True)
         done = [torch.cuda.Event(), torch.cuda.Event()]
+        graphs = self._graphs[B]
+        split = self.split_lookahead and len(graphs) == 2 and self.num_nodes > 1
 
-        def launch(r: int) -> None:
-            self._round(st)
+        def launch(r: int, verify_only: bool = False) -> None:
+            for graph in graphs[1:] if verify_only else graphs:
+                graph.replay()
             accepted.append((st["emitted"].clone(), st["requests"]))
             flags[r % 2].copy_(st["running"], non_blocking=True)
             done[r % 2].record()
@@ -856,12 +868,20 @@ class TreeSpeculator:
         r = 0
         launch(r)
         while True:
-            launch(r + 1)  # ahead of the flag read below
-            done[r % 2].synchronize()
-            running = flags[r % 2].tolist()
-            if not any(running):  # round r finished every request: round r + 1 ran for nothing
-                accepted.pop()
-                return None
+            if split:  # only round r + 1's draft ahead of the flag read: its verify waits for the flags
+                graphs[0].replay()
+                done[r % 2].synchronize()
+                running = flags[r % 2].tolist()
+                if not any(running):  # round r finished every request: a draft ran for nothing, no verify
+                    return None
+                launch(r + 1, verify_only=True)
+            else:
+                launch(r + 1)  # ahead of the flag read below
+                done[r % 2].synchronize()
+                running = flags[r % 2].tolist()
+                if not any(running):  # round r finished every request: round r + 1 ran for nothing
+                    accepted.pop()
+                    return None
             if self._shrink_size(B, sum(running)) is not None:  # round r + 1 ran for real: let it land
                 done[(r + 1) % 2].synchronize()
                 running = flags[(r + 1) % 2].tolist()

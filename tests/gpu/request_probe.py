@@ -33,6 +33,41 @@ def ms(fn, reps=5):
     return best
 
 
+def split(spec, ids, reps=5) -> dict:
+    """Synchronized wall time of each step of ``generate(max_new_tokens=1)`` (best of ``reps``): the
+    steps are wrapped on the instance, each synchronizing before and after."""
+    names = ["_prompts", "_eos_ids", "_pad_id", "_new_state", "_prefill", "_run_rounds", "_results"]
+    best = {}
+
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            r = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            times[name] = times.get(name, 0.0) + (time.perf_counter() - t) * 1e3
+            return r
+
+        return timed
+
+    for name in names:
+        setattr(spec, name, wrap(name, getattr(spec, name)))
+    spec.binding.check_projections = wrap("check_projections", spec.binding.check_projections)
+    for _ in range(reps):
+        times = {}
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        spec.generate(ids, max_new_tokens=1, eos_token_id=[])
+        torch.cuda.synchronize()
+        times["total"] = (time.perf_counter() - t) * 1e3
+        for k, v in times.items():
+            best[k] = min(best.get(k, float("inf")), v)
+    for name in names:
+        delattr(spec, name)
+    del spec.binding.check_projections
+    return best
+
+
 def probe(model, drafter, shape, profile_dir):
     k, s, n = shape
     spec = TreeSpeculator(model, drafter, topk=k, steps=s, num_nodes=n, max_batch_size=1, max_seq_len=1024,
@@ -42,9 +77,11 @@ def probe(model, drafter, shape, profile_dir):
     spec.generate(prompts[98], max_new_tokens=32, eos_token_id=[])  # warm-up: compile + capture
     for L in prompts:
         spec.generate(prompts[L], max_new_tokens=2, eos_token_id=[])
-    out = dict(shape=list(shape), fixed_ms={}, phases={})
+    out = dict(shape=list(shape), fixed_ms={}, two_ms={}, phases={})
     for L, ids in prompts.items():
         out["fixed_ms"][L] = ms(lambda: spec.generate(ids, max_new_tokens=1, eos_token_id=[]))
+        # one round and the lookahead round launched after it: against fixed_ms, what stopping costs
+        out["two_ms"][L] = ms(lambda: spec.generate(ids, max_new_tokens=2, eos_token_id=[]))
     for L in (43, 98):
         ids = prompts[L]
         lengths, plist = [L], [ids[0].tolist()]
@@ -69,6 +106,7 @@ def probe(model, drafter, shape, profile_dir):
         out["phases"][L] = dict(host_new_state=host_state, wall_new_state=wall_state, host_prefill=host_prefill,
                                 wall_prefill=wall_prefill, events_prefill=start.elapsed_time(end))  # fmt: skip
         spec._state = None
+    out["split_ms"] = split(spec, prompts[43])
     if profile_dir:
         from torch.profiler import ProfilerActivity, profile
 
@@ -86,7 +124,7 @@ def main():
     path = sys.argv[1]
     profile_dir = sys.argv[2] if len(sys.argv) > 2 else None
     model, drafter = smollm2_target_and_head()
-    run_shapes(path, ((1, 1, 1), (4, 6, 32)), lambda shape: probe(model, drafter, shape, profile_dir))
+    run_shapes(path, ((1, 1, 1), (4, 4, 16)), lambda shape: probe(model, drafter, shape, profile_dir))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ form alone. Each row says whether the forms' outputs were equal token for token.
 
 ``--ab round-graphs`` (twenty-eighth session): one captured graph a round (draft, verify, commit) against two
 (draft; verify + commit), ``TREECOMPILE_ROUND_GRAPHS`` 1 / 2.
+``--ab split-lookahead`` (thirty-second session): with two round graphs the lookahead launches the next round's
+draft, reads the stop flags, then launches its verify; against whole rounds ahead (host-side only: the same
+graphs, so the outputs must be equal).
 ``--ab compiled-draft``: the draft round per hook (``TREECOMPILE_COMPILED_DRAFT=0``) against the whole draft round
 as one Inductor region (the CUDA default since the twenty-ninth session, which this A/B decided).
 
-    python3 tests/gpu/round_ab.py out.json [--ab round-graphs|compiled-draft] [--prompts 56]
+    python3 tests/gpu/round_ab.py out.json [--ab round-graphs|split-lookahead|compiled-draft] [--prompts 56]
         [--trees "4,4,16;10,6,64"] [--repeats 2]
 """
 
@@ -39,10 +42,22 @@ def set_draft(compiled: bool):
     return apply
 
 
+def set_split_lookahead(split: bool):
+    def apply(spec):
+        spec.round_graphs = 2
+        spec.split_lookahead = split
+
+    return apply
+
+
 FORMS = {
+    "split-lookahead": {"whole rounds ahead": set_split_lookahead(False), "draft ahead": set_split_lookahead(True)},
     "round-graphs": {"one graph": set_round_graphs(1), "two graphs": set_round_graphs(2)},
     "compiled-draft": {"per-hook draft": set_draft(False), "compiled draft": set_draft(True)},
 }
+
+
+HOST_FORMS = {"split-lookahead"}
 
 
 def main() -> int:
@@ -79,6 +94,8 @@ def main() -> int:
             for _ in range(args.repeats):
                 for form in forms:
                     spec._graphs[1] = captured[form]
+                    if args.ab in HOST_FORMS:  # a host-side form: the attribute, not the capture, decides
+                        forms[form](spec)
                     passes[form].append(bench._timed_pass(gen, batches, spec))
         firsts = [ps[0]["outputs"] for ps in passes.values()]
         for form, ps in passes.items():
@@ -98,9 +115,9 @@ def main() -> int:
                   flush=True)  # fmt: skip
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    # One graph or two run the same kernels in the same order: their outputs must be equal. A compiled draft
+    # One graph or two, and either lookahead, run the same kernels in the same order: outputs must be equal. A compiled draft
     # round may round bf16 glue differently, draft another tree and so flip a near-tie: reported, not fatal.
-    strict = args.ab == "round-graphs"
+    strict = args.ab in ("round-graphs", "split-lookahead")
     return 1 if strict and not all(r["outputs_equal_other_forms"] for r in rows) else 0
 
 

@@ -117,16 +117,20 @@ def test_lookahead_rounds_equal_synced_rounds(max_new_tokens):
     drafter = EagleDrafter.for_target(model, seed=1)
     kwargs = dict(topk=4, steps=5, num_nodes=32, max_batch_size=3, max_seq_len=256)
     ahead = TreeSpeculator(model, drafter, lookahead=True, **kwargs)
+    assert ahead.split_lookahead and ahead.round_graphs == 2  # the default: only the next draft goes ahead
+    whole = TreeSpeculator(model, drafter, lookahead=True, **kwargs)
+    whole.split_lookahead = False  # whole rounds ahead
     synced = TreeSpeculator(model, drafter, lookahead=False, **kwargs)
     ids, mask = ragged()
     new = synced.generate(ids, mask, max_new_tokens=40, eos_token_id=[]).sequences[:, ids.shape[1]:]
     stops = [int(new[0, min(max_new_tokens, 40) // 2]), int(new[2, min(max_new_tokens, 40) - 1])]
     for eos in ([], stops):
         for _ in range(2):  # the second request replays graphs captured by the first
-            got = ahead.generate(ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos)
             ref = synced.generate(ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos)
-            assert torch.equal(got.sequences, ref.sequences)
-            assert torch.equal(got.accept_lengths, ref.accept_lengths)
+            for spec in (ahead, whole):
+                got = spec.generate(ids, mask, max_new_tokens=max_new_tokens, eos_token_id=eos)
+                assert torch.equal(got.sequences, ref.sequences), spec.split_lookahead
+                assert torch.equal(got.accept_lengths, ref.accept_lengths), spec.split_lookahead
         if not eos:  # no stop id: every request emits exactly max_new_tokens
             assert got.accept_lengths.sum(0).tolist() == [max_new_tokens - 1] * 3  # the first comes from prefill
 
