@@ -51,6 +51,38 @@ def test_unfusable_groups_are_left_alone():
     assert [g.module for g in groups] == ["model.layers.0.mlp"]
 
 
+@pytest.mark.parametrize(
+    "break_view",
+    ["clone", "shifted rows", "narrowed", "bias clone", "dtype view", "unregistered"],
+)
+def test_intact_detects_every_kind_of_broken_view(break_view):
+    """``intact`` compares precomputed (pointer, shape, stride, dtype, device) keys: each way a member can
+    stop being its rows of the fused storage, even one that keeps a pointer into it, is caught."""
+    model = tiny_model("qwen2", layers=1)  # q/k/v carry biases
+    attn = fuse_projection_weights(model)[0]
+    assert attn.intact() and attn.intact()  # the second call reads the cached keys
+    q, k = model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj
+    rows = q.out_features
+    if break_view == "clone":
+        k.weight.data = k.weight.data.clone()
+    elif break_view == "shifted rows":  # still inside the fused storage, one row off
+        k.weight.data = attn.weight[rows + 1 : rows + 1 + k.out_features]
+    elif break_view == "narrowed":  # the right pointer, one row short
+        k.weight.data = attn.weight[rows : rows + k.out_features - 1]
+    elif break_view == "bias clone":
+        k.bias.data = k.bias.data.clone()
+    elif break_view == "dtype view":  # same bytes read as another dtype
+        same_size = {torch.float64: torch.complex64, torch.float32: torch.complex32, torch.float16: torch.bfloat16,
+                     torch.bfloat16: torch.float16}  # fmt: skip
+        q.weight.data = attn.weight[:rows].view(same_size[attn.weight.dtype])
+        assert q.weight.data_ptr() == attn.weight.data_ptr() and q.weight.shape == (rows, attn.weight.shape[1])
+    else:  # a plain tensor attribute in place of the parameter: found through getattr
+        w = k.weight.detach()
+        del k.weight
+        k.weight = w.clone()
+    assert not attn.intact()
+
+
 def test_replaced_storage_is_refused_at_generate():
     model = tiny_model("llama", layers=2)
     model.generation_config.eos_token_id = None
