@@ -62,6 +62,12 @@ def _add_train(sub) -> None:
     p.add_argument("--device", default=None, help="torch device (default cuda when available, else cpu)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for torch (default 2)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--init-from", default=None, metavar="HEAD_DIR",
+                   help="warm start: train on from an exported head (its weights and draft vocabulary; fresh "
+                   "optimizer state), e.g. with new sampled data or more steps")  # fmt: skip
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop training with a checkpoint after this many minutes of it in all (a resumed run counts "
+                   "the time before it; --resume continues), e.g. to fit a job's time limit")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -126,7 +132,8 @@ def _run_train(args, argv) -> int:
         draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, checkpoint_every=args.checkpoint_every,
         seed=args.seed, resume=args.resume, export_dtype=args.export_dtype, weight_decay=args.weight_decay,
         freeze_lm_head=args.freeze_lm_head, lm_head_int8=args.lm_head_int8, features=args.features,
-        topk_targets=args.topk_targets,
+        topk_targets=args.topk_targets, init_from=args.init_from,
+        max_hours=None if args.max_minutes is None else args.max_minutes / 60,
     )  # fmt: skip
     summary = train_drafter(cfg, target_name=args.target, device=args.device or _default_device(),
                             progress=not args.no_progress, argv=argv)  # fmt: skip

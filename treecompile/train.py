@@ -65,6 +65,7 @@ __all__ = [
     "generate_data",
     "build_draft_vocab",
     "init_head",
+    "warm_head",
     "ttt_forward",
     "export_head",
 ]
@@ -104,6 +105,7 @@ class TrainConfig:
     lm_head_int8: bool = False  # export the lm_head rows as int8 with a scale a row (a bigger draft vocabulary ships)
     weight_decay: float = 0.0
     features: str = "auto"  # "online": the target runs in each step; "stored": in the data; "auto": stored if it fits
+    init_from: str | None = None  # warm start: an exported head's directory (its draft vocabulary and weights)
 
     def validate(self) -> None:
         for name in ("max_new_tokens", "gen_batch_size", "samples_per_prompt", "steps", "batch_size", "draft_vocab", "topk_targets",
@@ -125,6 +127,12 @@ class TrainConfig:
             raise ValueError(f"features: one of {', '.join(FEATURE_MODES)}; got {self.features!r}")
         if self.export_dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"export_dtype: one of float16, bfloat16, float32; got {self.export_dtype!r}")
+        if self.max_hours is not None and not (
+            isinstance(self.max_hours, (int, float)) and not isinstance(self.max_hours, bool) and self.max_hours > 0
+        ):
+            raise ValueError(f"max_hours: expected a positive number of hours or None, got {self.max_hours!r}")
+        if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
+            raise ValueError(f"init_from: {self.init_from!r} has no config.json (expected an exported head directory)")
         if self.lm_head_int8 and self.freeze_lm_head:
             raise ValueError("lm_head_int8: a frozen lm_head (freeze_lm_head) is not shipped at all; drop one of them")
 
@@ -501,6 +509,25 @@ def init_head(model, draft_ids: torch.Tensor, seed: int = 0):
     return head
 
 
+def warm_head(path: str, model, aux_layers, draft_vocab: int):
+    """An exported head (``path``: config.json + weights, as :func:`export_head` writes them) as the float32
+    head to train on: training goes on from its weights over its own draft vocabulary, so new data and more
+    steps can add to a head across sessions (the optimizer state starts afresh; a lower ``--lr`` suits).
+    Refused unless its fused layers and draft vocabulary size are this run's."""
+    from treecompile.drafter import EagleDrafter
+
+    head = EagleDrafter.from_pretrained(path, model, dtype=torch.float32, device="cpu")
+    if tuple(head.aux_layers) != tuple(aux_layers):
+        raise ValueError(f"init_from: the head fuses hidden states {tuple(head.aux_layers)}, this run {tuple(aux_layers)}")
+    if head.draft_vocab_size != draft_vocab:
+        raise ValueError(
+            f"init_from: the head has {head.draft_vocab_size} draft ids, --draft-vocab is {draft_vocab}; pass "
+            f"--draft-vocab {head.draft_vocab_size}"
+        )
+    logger.info("warm start from %s (%d draft ids)", path, head.draft_vocab_size)
+    return head
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -828,14 +855,18 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
                 sum(len(r["tokens"]) for r in records))  # fmt: skip
 
     state = torch.load(ckpt_path, weights_only=False) if cfg.resume else None
+    warm = None
     if state is not None:
         draft_ids = state["draft_ids"]
         if tuple(state["aux_layers"]) != tuple(aux_layers):
             raise ValueError(f"resume: checkpoint aux_layers {state['aux_layers']} != the target's {aux_layers}")
+    elif cfg.init_from is not None:
+        warm = warm_head(cfg.init_from, model, aux_layers, cfg.draft_vocab)
+        draft_ids = torch.arange(warm.draft_vocab_size) + warm.d2t.cpu()
     else:
         draft_ids, _, _ = build_draft_vocab(records, vocab, cfg.draft_vocab)
     torch.manual_seed(cfg.seed)
-    head = init_head(model, draft_ids, seed=cfg.seed)
+    head = warm if warm is not None else init_head(model, draft_ids, seed=cfg.seed)
     head.train()
     for p in head.embed.parameters():
         p.requires_grad_(False)  # the target's embedding is shared: never trained, never exported
@@ -855,7 +886,10 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
     train_device = device
     head.to(train_device)
 
+    saved = [step]  # the step of the newest checkpoint on disk (a resumed run starts at its checkpoint's)
+
     def checkpoint(reason: str) -> None:
+        saved[0] = step
         _atomic_save({
             "step": step, "head": head.state_dict(), "optimizer": opt.state_dict(), "draft_ids": draft_ids,
             "aux_layers": list(aux_layers), "history": history, "train_seconds": train_seconds,
@@ -912,7 +946,7 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
         raise
     finally:
         bar.close()
-    if not history or history[-1]["step"] != step or not (out / "model.safetensors").is_file():
+    if saved[0] != step or not (out / "model.safetensors").is_file():  # e.g. stopped by max_hours mid-interval
         checkpoint("final")
     return json.loads((out / "training.json").read_text())
 

@@ -343,6 +343,52 @@ def test_resume_continues_from_the_checkpoint_and_equals_an_uninterrupted_run(ta
     assert summary["command"].startswith("treecompile train-drafter --target")
 
 
+def test_max_minutes_stops_with_a_checkpoint_mid_interval(target_dir, tmp_path, monkeypatch):
+    """--max-minutes stops after the step that passes it and checkpoints there, between two scheduled
+    checkpoints (--checkpoint-every 2): nothing trained is lost, and --resume goes on. A fake clock makes
+    each training step take 10 s, so 0.4 minutes stop the run after step 3."""
+    now = [0.0]
+    step_loss = train._step_loss
+
+    def slow_step_loss(*args, **kwargs):
+        now[0] += 10.0
+        return step_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train, "_step_loss", slow_step_loss)
+    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+    out = tmp_path / "head"
+    assert main(cli_args(target_dir, out, 8, "--max-minutes", "0.4")) == 0
+    state = checkpoint(out)
+    assert state["step"] == 3 and [h["step"] for h in state["history"]] == [1, 2, 3]
+    assert json.loads((out / "training.json").read_text())["steps"] == 3
+    monkeypatch.undo()
+    assert main(cli_args(target_dir, out, 8, "--resume")) == 0
+    assert checkpoint(out)["step"] == 8
+
+
+def test_init_from_trains_on_from_an_exported_head(target_dir, tmp_path, caplog):
+    """--init-from starts from a head's exported weights and draft vocabulary, not from a fresh init: with a
+    learning rate too small to move a float16 weight, the new run exports the old head again, bit for bit
+    (new data: another seed's samples, vocabulary counted from it ignored)."""
+    from safetensors.torch import load_file
+
+    first = tmp_path / "first"
+    assert main(cli_args(target_dir, first, 2)) == 0
+    again = tmp_path / "again"
+    extra = ("--seed", "1", "--samples-per-prompt", "2", "--lr", "1e-12")
+    with caplog.at_level(logging.INFO, logger="treecompile.train"):
+        assert main(cli_args(target_dir, again, 1, "--init-from", str(first), *extra)) == 0
+    assert "warm start from" in caplog.text
+    old, new = load_file(str(first / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert sorted(old) == sorted(new)
+    for name in old:
+        assert torch.equal(old[name], new[name]), name
+    assert torch.equal(checkpoint(again)["draft_ids"], checkpoint(first)["draft_ids"])
+    fresh = tmp_path / "fresh"  # the same run without the warm start exports another head
+    assert main(cli_args(target_dir, fresh, 1, *extra)) == 0
+    assert not torch.equal(load_file(str(fresh / "model.safetensors"))["fc.weight"], old["fc.weight"])
+
+
 def test_ctrl_c_saves_a_checkpoint_that_resumes(target_dir, tmp_path, monkeypatch):
     out = tmp_path / "head"
     calls = []
@@ -585,5 +631,13 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
     assert "temperature: expected a float in (0, 2]" in capsys.readouterr().err
     assert main(cli_args(target_dir, tmp_path / "k0", 1, "--topk-targets", "0")) == 2
     assert "topk_targets: expected a positive int, got 0" in capsys.readouterr().err
+    assert main(cli_args(target_dir, tmp_path / "cold", 1, "--init-from", str(tmp_path / "nowhere"))) == 2
+    assert "init_from: " in capsys.readouterr().err
+    other = cli_args(target_dir, tmp_path / "vocab", 1, "--init-from", str(out))
+    other[other.index("--draft-vocab") + 1] = "30"
+    assert main(other) == 2
+    assert "init_from: the head has 40 draft ids, --draft-vocab is 30; pass --draft-vocab 40" in capsys.readouterr().err
+    assert main(cli_args(target_dir, tmp_path / "minutes", 1, "--max-minutes", "0")) == 2
+    assert "max_hours: expected a positive number" in capsys.readouterr().err
     with pytest.raises(ValueError, match="features: one of auto, online, stored; got 'disk'"):
         train.TrainConfig(out=str(tmp_path / "x"), features="disk").validate()
