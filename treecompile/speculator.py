@@ -150,7 +150,9 @@ def round_graphs_from_env() -> int:
     the verify + commit, which profiles them apart). One graph removes the graph boundary between the draft's
     last kernel and the verify's first; on the H200 it measured the same end to end (SmolLM2, batch 1, all 56
     held-out prompts, both forms on one speculator, passes alternating: plain +0.8%, trees (4, 4, 16) and
-    (10, 6, 64) -0.2% / -0.3%; twenty-eighth session, BENCHMARKS.md), so it stays opt-in."""
+    (10, 6, 64) -0.2% / -0.3%; twenty-eighth session, BENCHMARKS.md), so it stays opt-in. Two graphs also let
+    the lookahead send only the next draft ahead of the stop-flag read (``split_lookahead``: +1.5% at batch 1,
+    thirty-second session), which one graph cannot."""
     raw = os.environ.get(ROUND_GRAPHS_ENV, "").strip()
     if raw in ("", "2"):
         return 2
