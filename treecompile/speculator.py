@@ -858,8 +858,7 @@ class TreeSpeculator:
                 break
             self._round(st)
             accepted.append((st["emitted"].clone(), st["requests"]))
-        flags = torch.empty(2, B, dtype=torch.bool, pin_memory=True)
-        done = [torch.cuda.Event(), torch.cuda.Event()]
+        flags, done = self._flag_buffers(B)
         graphs = self._graphs[B]
         split = self.split_lookahead and len(graphs) == 2 and self.num_nodes > 1
 
@@ -892,6 +891,11 @@ class TreeSpeculator:
                 running = flags[(r + 1) % 2].tolist()
                 return running if any(running) else None
             r += 1
+
+    def _flag_buffers(self, B: int) -> tuple[torch.Tensor, list]:
+        """Round r's ``running`` flags land in row ``r % 2`` of a pinned ``[2, B]`` bool buffer, behind event
+        ``r % 2`` (the CPU tests of the lookahead's host logic replace both)."""
+        return torch.empty(2, B, dtype=torch.bool, pin_memory=True), [torch.cuda.Event(), torch.cuda.Event()]
 
     def _shrink_size(self, B: int, running: int) -> int | None:
         """The smallest batch size below B that holds ``running`` requests and has already run here (its
