@@ -45,7 +45,7 @@ class ProjectionGroup:
     weight: torch.Tensor
     bias: torch.Tensor | None
     linears: tuple[nn.Linear, ...] = dataclasses.field(repr=False, default=())
-    _views: tuple | None = dataclasses.field(repr=False, default=None, compare=False)
+    _views: tuple | None = dataclasses.field(init=False, repr=False, default=None, compare=False)  # intact()'s keys
 
     def member_names(self) -> tuple[str, ...]:
         return tuple(f"{self.module}.{m}" if self.module else m for m in self.members)

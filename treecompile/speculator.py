@@ -872,20 +872,20 @@ class TreeSpeculator:
         r = 0
         launch(r)
         while True:
-            if split:  # only round r + 1's draft ahead of the flag read: its verify waits for the flags
+            # Ahead of the flag read below: round r + 1's draft alone (split: its verify waits for the flags), or
+            # the whole round.
+            if split:
                 graphs[0].replay()
-                done[r % 2].synchronize()
-                running = flags[r % 2].tolist()
-                if not any(running):  # round r finished every request: a draft ran for nothing, no verify
-                    return None
-                launch(r + 1, verify_only=True)
             else:
-                launch(r + 1)  # ahead of the flag read below
-                done[r % 2].synchronize()
-                running = flags[r % 2].tolist()
-                if not any(running):  # round r finished every request: round r + 1 ran for nothing
+                launch(r + 1)
+            done[r % 2].synchronize()
+            running = flags[r % 2].tolist()
+            if not any(running):  # round r finished every request: what went ahead ran for nothing
+                if not split:
                     accepted.pop()
-                    return None
+                return None
+            if split:
+                launch(r + 1, verify_only=True)
             if self._shrink_size(B, sum(running)) is not None:  # round r + 1 ran for real: let it land
                 done[(r + 1) % 2].synchronize()
                 running = flags[(r + 1) % 2].tolist()

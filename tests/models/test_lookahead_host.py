@@ -15,8 +15,6 @@ Float64, tiny Llama, a noisy oracle head (requests accept different lengths and 
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 from test_lossless import OracleDrafter, assert_same, hf_greedy, ragged_batch
@@ -44,21 +42,6 @@ class _Event:
 
     def synchronize(self) -> None:
         pass
-
-
-class _StableOracle(OracleDrafter):
-    """The noisy oracle with its noise a function of the scored sequence, not of how many drafts ran before:
-    the forms launch different numbers of drafts (the split one drafts once past the last stop), and with
-    call-order noise their later accept lengths would differ for that reason alone."""
-
-    def _scored(self, sequences: list[list[int]]) -> torch.Tensor:
-        logits = []
-        for seq in sequences:
-            with torch.no_grad():
-                out = self.oracle(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
-            g = torch.Generator().manual_seed(zlib.crc32(torch.tensor(seq, dtype=torch.int64).numpy().tobytes()))
-            logits.append(out + self.noise * out.std() * torch.randn(out.shape, generator=g, dtype=out.dtype))
-        return torch.stack(logits)
 
 
 def host_graphs(spec: TreeSpeculator, log: list) -> TreeSpeculator:
@@ -92,7 +75,9 @@ def speculators(model, drafter, **kwargs):
 @pytest.mark.parametrize("stop", ["max_new_tokens", "eos"])
 def test_split_lookahead_runs_one_draft_past_the_last_stop(stop):
     model = tiny_attention_model("llama", seed=4)
-    drafter = _StableOracle.build(model, noise=0.6, seed=2)
+    # Noise per scored sequence: the forms launch different numbers of drafts (the split one drafts once past
+    # the last stop), and with call-order noise their later accept lengths would differ for that reason alone.
+    drafter = OracleDrafter.build(model, noise=0.6, seed=2, per_sequence=True)
     kwargs = dict(topk=3, steps=4, num_nodes=10, max_batch_size=3, max_seq_len=96, page_size=8, shrink_batch=False)
     split, whole, synced, logs = speculators(model, drafter, **kwargs)
     g = torch.Generator().manual_seed(7)
@@ -123,7 +108,9 @@ def test_split_lookahead_lands_the_round_before_a_shrink():
     """Requests stop at different rounds and the batch shrinks onto the sizes that ran before: the split form
     launches the verify of the round in flight before it shrinks, and every output equals HF greedy."""
     model = tiny_attention_model("llama", seed=3)
-    drafter = _StableOracle.build(model, noise=0.6, seed=2)
+    # Noise per scored sequence: the forms launch different numbers of drafts (the split one drafts once past
+    # the last stop), and with call-order noise their later accept lengths would differ for that reason alone.
+    drafter = OracleDrafter.build(model, noise=0.6, seed=2, per_sequence=True)
     kwargs = dict(topk=2, steps=3, num_nodes=6, max_batch_size=3, max_seq_len=96, page_size=8)
     split, whole, synced, logs = speculators(model, drafter, **kwargs)
     g = torch.Generator().manual_seed(9)

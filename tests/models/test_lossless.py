@@ -7,6 +7,8 @@ noise, so the target's token is usually among the top-k but often not first: acc
 through second and third children.
 """
 
+import zlib
+
 import pytest
 import torch
 
@@ -48,11 +50,14 @@ class OracleDrafter(EagleDrafter):
     lane's path; the EAGLE head still runs so the draft cache and hidden rows flow as in production."""
 
     @classmethod
-    def build(cls, target, noise: float, seed: int = 0) -> "OracleDrafter":
+    def build(cls, target, noise: float, seed: int = 0, per_sequence: bool = False) -> "OracleDrafter":
+        """``per_sequence``: the noise a function of the scored sequence (its own seed), not of how many
+        drafts ran before; for comparing runs that launch different numbers of drafts."""
         head = cls.for_target(target, seed=seed)
         object.__setattr__(head, "oracle", target)
         head.noise = noise
         head.generator = torch.Generator().manual_seed(seed)
+        head.per_sequence = per_sequence
         return head
 
     def _scored(self, sequences: list[list[int]]) -> torch.Tensor:
@@ -60,7 +65,10 @@ class OracleDrafter(EagleDrafter):
         for seq in sequences:
             with torch.no_grad():
                 out = self.oracle(input_ids=torch.tensor([seq]), use_cache=False).logits[0, -1]
-            logits.append(out + self.noise * out.std() * torch.randn(out.shape, generator=self.generator, dtype=out.dtype))
+            g = self.generator
+            if self.per_sequence:
+                g = torch.Generator().manual_seed(zlib.crc32(torch.tensor(seq, dtype=torch.int64).numpy().tobytes()))
+            logits.append(out + self.noise * out.std() * torch.randn(out.shape, generator=g, dtype=out.dtype))
         return torch.stack(logits)
 
     def draft_step0(self, cache, features, tokens, positions, slots, prefix_len, ancestor_mask, last_row, context):
