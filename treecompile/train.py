@@ -14,11 +14,12 @@ Three stages, each resumable from what it left in the output directory ``DIR``:
    - ``online``: not stored; the target runs over the training batches (parallel forwards, no cache,
      8 steps' batches a round: :func:`_online_features`) for them. The data stays small at any target size:
      stored features cost ``len(aux_layers) * H`` 16-bit values a token (3.5 KB for SmolLM2, 24 KB for an
-     8B Llama), so millions of tokens of them do not fit a machine's memory or disk, and ``generate`` runs
-     without ``output_hidden_states``. SpecForge's "online" EAGLE-3 training makes the same trade.
-   - ``stored``: ``generate`` records them too (``output_hidden_states``), so the target never runs twice;
-     the shards hold them in float16. Faster to train where they fit (an extra forward a step costs more
-     than reading them back: ``_resolve_features``).
+     8B Llama), so millions of tokens of them do not fit a machine's memory or disk. SpecForge's "online"
+     EAGLE-3 training makes the same trade.
+   - ``stored``: once a shard's continuations are generated, parallel forwards over the finished
+     sequences compute them (the forwards ``online`` runs in every training step, run once:
+     :func:`_stored_features`), and the shards hold them in float16. Faster to train where they fit (an
+     extra forward a step costs more than reading them back: ``_resolve_features``).
 
    A finished shard is never regenerated.
 2. **Draft vocabulary**: the V most frequent tokens the target generated (ties to the lower id), padded
@@ -250,12 +251,10 @@ def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_laye
     with torch.no_grad():
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-            num_beams=1, **sampling,
-            logits_processor=LogitsProcessorList(processors), output_hidden_states=features,
+            num_beams=1, **sampling, logits_processor=LogitsProcessorList(processors),
             return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad,
         )  # fmt: skip
     gen = out.sequences[:, width:].cpu()
-    feats = _recorded_features(out.hidden_states, aux_layers) if features else None
     top_ids = torch.stack([s[0] for s in recorder.steps], dim=1)  # [B, steps, k]
     top_logp = torch.stack([s[1] for s in recorder.steps], dim=1)
     records = []
@@ -263,26 +262,39 @@ def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_laye
         row = _until_eos(gen[b].tolist(), eos)
         L, m = len(p), len(row)
         tokens = torch.tensor(p + row, dtype=torch.int32)
-        record = {"tokens": tokens, "prompt_len": L, "target_ids": top_ids[b, :m].clone(),
-                  "target_logp": top_logp[b, :m].clone()}  # fmt: skip
-        if feats is not None:
-            record["features"] = feats[b, width - L : width - L + L + m - 1].clone()
-        records.append(record)
+        records.append({"tokens": tokens, "prompt_len": L, "target_ids": top_ids[b, :m].clone(),
+                        "target_logp": top_logp[b, :m].clone()})  # fmt: skip
+    if features:
+        _stored_features(model, records, aux_layers)
     return records
 
 
-def _recorded_features(hidden_states, aux_layers) -> torch.Tensor:
-    """``generate``'s per-step hidden states -> ``[B, width + steps - 1, F]``: the prefill rows, then one row
-    per fed generated token (the last one never is); float16 unless a value overflows it."""
-    prefill = torch.cat([hidden_states[0][i] for i in aux_layers], dim=-1).float().cpu()
-    later = [torch.cat([h[i] for i in aux_layers], dim=-1).float().cpu() for h in hidden_states[1:]]
-    feats = torch.cat([prefill] + later, dim=1) if later else prefill
-    # float16 halves the cache; hidden-state outliers (SmolLM2's reach ~25k) must still fit its range.
-    small = feats.to(torch.float16)
-    if bool(torch.isfinite(small).all()) or not bool(torch.isfinite(feats).all()):
-        return small
-    logger.warning("hidden states exceed the float16 range; this shard keeps float32 features")
-    return feats
+def _stored_features(model, records: list[dict], aux_layers, rows_a_call: int = 256) -> None:
+    """Adds ``features [n - 1, F]`` (aux hidden states of positions 0..n-2) to each finished record, from
+    parallel forwards of the target over the whole sequences (:func:`_online_features`, rows of similar
+    length together so little is padding); float16 unless a value overflows it, then that record keeps
+    float32.
+
+    Why not ``generate(output_hidden_states=True)``, which has the same states at hand: it keeps every
+    layer's state of every step and copies the aux ones to the host a step at a time. On the H200 at
+    SmolLM2's shape, 3072 rows x 64 sampled steps took 14.9 s that way against 4.9 s without the states and
+    2.8 s for a forward over the finished rows that forms all logits too, which this one does not
+    (thirty-third session, ``tests/gpu/gen_probe.py``). The values are the same up to rounding: the
+    states a causal forward computes do not depend on the positions after them (float64 test)."""
+    order = sorted(range(len(records)), key=lambda i: len(records[i]["tokens"]))
+    wide = False
+    for start in range(0, len(order), rows_a_call):
+        group = order[start : start + rows_a_call]
+        for i, feats in zip(group, _online_features(model, records, [[i] for i in group], aux_layers, "cpu")):
+            full = feats[0]
+            # float16 halves the data; hidden-state outliers (SmolLM2's reach ~25k) must still fit its range.
+            small = full.to(torch.float16)
+            if bool(torch.isfinite(small).all()) or not bool(torch.isfinite(full).all()):
+                records[i]["features"] = small
+            else:
+                records[i]["features"], wide = full, True
+    if wide:
+        logger.warning("hidden states exceed the float16 range; the records they occur in keep float32 features")
 
 
 def _until_eos(row: list[int], eos: list[int]) -> list[int]:

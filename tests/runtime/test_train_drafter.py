@@ -176,13 +176,33 @@ def test_draft_vocab_takes_the_most_frequent_generated_tokens():
 
 @pytest.mark.parametrize("temperature", [None, 1.5], ids=["greedy", "sampled"])
 def test_online_features_equal_what_generate_recorded(monkeypatch, temperature):
-    """``--features online`` computes in one parallel forward the aux hidden states ``--features stored``
-    recorded during ``generate`` (step by step, with a cache), for ragged sequences right-padded in a batch,
-    one sequence per forward (a budget of one row), and leaves the rest of the batch as it was."""
+    """The aux hidden states both feature modes use (parallel forwards over finished sequences: stored ones
+    once after ``generate``, online ones in every training step) equal what ``generate`` itself returns with
+    ``output_hidden_states`` (left-padded batch, step by step with a cache), float64; for ragged sequences
+    right-padded in a batch, one sequence per forward (a budget of one row), and the rest of the batch left
+    as it was."""
     model = tiny_llama(dtype=torch.float64, seed=3)
     prompts = [[5, 9, 11, 3], [7, 8], [12, 4, 4, 30, 31, 6, 40]]
-    records = train._generate_shard(model, prompts, 9, [2, 2, 1], 6, [1], 2, temperature=temperature, seed=4)
-    lean = train._generate_shard(model, prompts, 9, [2, 2, 1], 6, [1], 2, temperature=temperature, seed=4,
+    aux = [2, 2, 1]
+    seen = {}
+    real_generate = model.generate
+
+    def generate_with_states(**kw):  # the oracle: generate's own states, as stored features were once made
+        out = real_generate(**kw, output_hidden_states=True)
+        seen["states"], seen["width"] = out.hidden_states, kw["input_ids"].shape[1]
+        return out
+
+    monkeypatch.setattr(model, "generate", generate_with_states)
+    records = train._generate_shard(model, prompts, 9, aux, 6, [1], 2, temperature=temperature, seed=4)
+    monkeypatch.undo()
+    steps = [torch.cat([h[i] for i in aux], dim=-1) for h in seen["states"]]  # prefill [B, width, F], then [B, 1, F]
+    states, width = torch.cat(steps, dim=1), seen["width"]
+    for b, r in enumerate(records):
+        n, L = len(r["tokens"]), r["prompt_len"]
+        assert r["features"].dtype == torch.float16 and r["features"].shape == (n - 1, 96)
+        torch.testing.assert_close(r["features"].double(), states[b, width - L : width + n - 1 - L],
+                                   rtol=1e-3, atol=1e-3)  # float16 storage  # fmt: skip
+    lean = train._generate_shard(model, prompts, 9, aux, 6, [1], 2, temperature=temperature, seed=4,
                                  features=False)  # fmt: skip
     assert all(set(r) == {"tokens", "prompt_len", "target_ids", "target_logp"} for r in lean)
     for a, b in zip(lean, records):  # the same continuations and targets, without the hidden states
@@ -210,6 +230,38 @@ def test_online_features_equal_what_generate_recorded(monkeypatch, temperature):
         assert [tuple(f.shape) for f in got] == [(1, len(lean[1]["tokens"]) - 1, 96), (2, T, 96), tuple(got[0].shape)]
         torch.testing.assert_close(got[1], feats[[0, 2]], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got[0], feats[[1], : got[0].shape[1]], rtol=1e-12, atol=1e-12)
+
+
+def test_stored_features_groups_and_float16_overflow(caplog):
+    """``_stored_features`` pairs every record with its own states however the rows are grouped into calls
+    (sorted by length, so groups mix the records' order), and a record whose states overflow float16 keeps
+    them in float32 with a warning while the others stay float16."""
+    model = tiny_llama(dtype=torch.float64, seed=5)
+    g = torch.Generator().manual_seed(2)
+    lengths = (9, 3, 12, 5, 7)
+    records = [{"tokens": torch.randint(3, 99, (n,), generator=g, dtype=torch.int32), "prompt_len": 2} for n in lengths]
+    aux = [1, 3, 2]
+    train._stored_features(model, records, aux)
+    alone = [dict(r) for r in records]
+    train._stored_features(model, alone, aux, rows_a_call=2)
+    with torch.no_grad():
+        for r, a in zip(records, alone):
+            out = model(input_ids=r["tokens"][None, :-1].long(), output_hidden_states=True)
+            want = torch.cat([out.hidden_states[j] for j in aux], dim=-1)[0]
+            assert r["features"].dtype == torch.float16 and r["features"].shape == (len(r["tokens"]) - 1, 96)
+            torch.testing.assert_close(r["features"].double(), want, rtol=1e-3, atol=1e-3)
+            assert torch.equal(a["features"], r["features"])
+    big = 1e8  # one token's embedding row past float16's range (65504) in every state it reaches
+    with torch.no_grad():
+        model.model.embed_tokens.weight[77] *= big
+    hot = [{"tokens": torch.tensor([5, 77, 6, 7], dtype=torch.int32), "prompt_len": 2},
+           {"tokens": torch.tensor([5, 8, 6, 7], dtype=torch.int32), "prompt_len": 2}]  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="treecompile.train"):
+        train._stored_features(model, hot, aux)
+    assert hot[0]["features"].dtype == torch.float32 and bool(torch.isfinite(hot[0]["features"]).all())
+    assert hot[0]["features"].abs().max() > 65504
+    assert hot[1]["features"].dtype == torch.float16
+    assert "exceed the float16 range" in caplog.text
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_next", "bamba"])
