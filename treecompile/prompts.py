@@ -1,6 +1,7 @@
 """Prompt sets made for this project: drafter training, held-out benchmarking, the demo.
 
-- :func:`training_prompts` (~750 prompts): self-distillation data for ``treecompile train-drafter``.
+- :func:`training_prompts` (~1700 prompts; ~750 until the thirty-third session): self-distillation data
+  for ``treecompile train-drafter``.
 - :func:`heldout_prompts` (~55 prompts): the benchmark set (``python -m treecompile.bench e2e``),
   disjoint from training as strings and by topic (held-out topics never reach training).
 - :func:`demo_prompts` (4 short chat prompts): ``treecompile demo``; also absent from training.

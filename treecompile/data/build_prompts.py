@@ -185,6 +185,130 @@ EXTRACTION_TASKS = [
     "Summarize the following text in one sentence:\n{text}",
 ]
 
+# --- the second batch of training prompts (thirty-third session) ----------------------------------------
+# Until then every head was distilled from the ~750 prompts above; the data grew by sampling more
+# continuations of the same prompts. These add new topics, tasks and phrasings in every category (appended
+# after the first batch; the held-out topics stay out, `_check_reserved_topics`).
+MORE_CHAT_TOPICS = [
+    "the nitrogen cycle", "sharks", "the periodic table", "the Pyramids of Giza", "wind turbines",
+    "the Byzantine Empire", "batteries", "the Milky Way", "tsunamis", "the Mongol Empire", "mushrooms",
+    "desalination", "the Apollo program", "penguins", "the theory of evolution", "the Big Bang", "dinosaurs",
+    "the Suez Canal", "the ozone layer", "magnets", "the Hubble Space Telescope", "artificial sweeteners",
+    "the Ottoman Empire", "GPS satellites", "fermentation", "the Panama Canal", "elephants", "carbon capture",
+    "microplastics", "the Maya civilization", "hydroelectric dams", "sourdough starters", "the Enlightenment",
+    "lightning", "the Wright brothers", "wolves", "the Mariana Trench", "cryptography", "the Black Death",
+    "sea turtles", "deserts", "the Hanseatic League", "fossil fuels", "the immune system", "urban gardening",
+    "the Eiffel Tower", "public transportation", "vitamins", "the Aztecs", "high-speed rail",
+    "mountain formation", "the Viking Age", "autonomous vehicles", "the placebo effect", "the Roman aqueducts",
+    "hydrogen fuel", "bats and echolocation", "the Golden Gate Bridge", "the Sahara", "the telescope",
+    "the steam engine", "monsoons", "chocolate making", "the Louvre", "the human skeleton", "minimalism",
+    "the Marshall Plan", "wildfires", "biodiversity", "the Dead Sea", "opera", "origami", "podcasts",
+    "the Beatles", "video game history", "dark matter", "the International Space Station", "crop rotation",
+    "owls", "the Crusades", "the Bronze Age",
+]
+MORE_CHAT_TEMPLATES = CHAT_TEMPLATES + [
+    "Summarize what is known about {t}.",
+    "Give me a beginner-friendly explanation of {t}.",
+    "What are some surprising facts about {t}?",
+    "Write a short explainer on {t} for a school newsletter.",
+    "How has our understanding of {t} changed over time?",
+    "List five key terms related to {t} and define each.",
+]
+MORE_ADVICE_ACTIVITIES = [
+    "learning to swim as an adult", "writing a personal budget", "getting up earlier in the morning",
+    "learning to draw", "moving to a new apartment", "preparing for a final exam", "starting a small online shop",
+    "learning to code", "keeping a journal", "hosting a dinner party", "negotiating a salary", "reading more books",
+    "learning to juggle", "taking better photos with a phone", "choosing a first car", "running a book club",
+    "decluttering a closet", "managing stress before exams", "staying motivated at the gym", "learning to knit",
+    "improving my handwriting", "baking a birthday cake", "caring for a pet rabbit", "giving constructive feedback",
+    "writing a cover letter", "planning a camping weekend", "learning basic car maintenance",
+    "organizing my digital photos", "becoming a better listener", "cycling to work",
+]
+MORE_ADVICE_TEMPLATES = ADVICE_TEMPLATES + [
+    "What are common mistakes people make when {a}?",
+    "Make a one-week plan for {a}.",
+    "How can I get better at {a}?",
+]
+MORE_COMPARISONS = [
+    ("a gas car", "an electric car"), ("online classes", "in-person classes"), ("a credit card", "a debit card"),
+    ("paper maps", "GPS navigation"), ("working from home", "working in an office"),
+    ("a savings account", "index funds"), ("vinyl records", "streaming music"), ("board games", "video games"),
+    ("a house", "an apartment"), ("public transport", "driving to work"), ("hardcover", "paperback books"),
+    ("yoga", "pilates"), ("a startup job", "a corporate job"), ("learning Spanish", "learning French"),
+    ("cooking at home", "eating out"), ("a tablet", "a laptop for students"),
+    ("solar water heaters", "electric water heaters"), ("camping", "staying in hotels"),
+    ("freelancing", "full-time employment"), ("wool", "cotton clothing"),
+]
+MORE_CODE_LANGUAGES = CODE_LANGUAGES + ["C++", "Ruby", "Kotlin", "Swift"]
+MORE_CODE_TASKS = [
+    "checks whether a list is sorted", "finds the most common element in a list",
+    "generates the first n prime numbers", "reverses the order of the words in a sentence",
+    "removes all whitespace from a string", "computes the product of a list of numbers",
+    "finds all divisors of a number", "counts the number of words in a string",
+    "checks whether a number is a perfect square", "merges two dictionaries", "finds the minimum and maximum of a list in one pass",
+    "implements a simple stack class", "implements a queue using two stacks", "splits a list into chunks of size n",
+    "computes the Levenshtein distance between two strings", "checks whether a number is an Armstrong number",
+    "converts a binary string to an integer", "computes the dot product of two vectors",
+    "finds the missing number in a list containing 1 to n", "checks whether a string contains only digits",
+    "computes the n-th triangular number", "returns the unique characters of a string", "implements insertion sort",
+    "implements quicksort", "computes compound interest over a number of years", "parses one CSV line into fields",
+    "finds the first non-repeating character in a string", "counts the set bits of an integer",
+    "checks whether two rectangles overlap", "formats a number of seconds as hours, minutes and seconds",
+]  # fmt: skip
+MORE_CODE_CONCEPTS = [
+    ("a library", "a framework"), ("mutable", "immutable data"), ("a shallow copy", "a deep copy"),
+    ("static typing", "dynamic typing"), ("a virtual machine", "a container"), ("REST", "GraphQL"),
+    ("a linked list", "an array"), ("breadth-first search", "depth-first search"), ("a mutex", "a semaphore"),
+    ("JSON", "XML"), ("cookies", "local storage in a browser"), ("a primary key", "a foreign key"),
+    ("stack memory", "heap memory"), ("an API", "an SDK"), ("lazy", "eager evaluation"),
+]
+MORE_CODE_SNIPPETS = [
+    "x = [i for i in range(10)]\nprint(sum(x) / len(x))",
+    "def is_even(n):\n    return n % 2 == 0",
+    "fetch(url).then(r => r.json()).then(data => console.log(data.length));",
+    "UPDATE users SET active = 0 WHERE last_login < '2023-01-01';",
+    "while (i < n && a[i] != key) i++;",
+    "counts = {}\nfor w in words:\n    counts[w] = counts.get(w, 0) + 1",
+    "fn add(a: i32, b: i32) -> i32 { a + b }",
+    "ls -la | grep '.py' | wc -l",
+]
+MORE_SQL_TASKS = [
+    "finds customers who have never placed an order", "returns the total revenue per product category",
+    "lists the five most recent orders", "finds duplicate email addresses in a users table",
+    "counts employees hired each year", "finds products that are out of stock", "returns the second highest salary",
+    "shows each order together with the name of the customer who placed it",
+]
+MORE_WRITING_SUBJECTS = [
+    "a snowy mountain cabin", "a harbor at sunrise", "an old bookstore", "a crowded beach in August",
+    "a dragon who is afraid of the dark", "a spaceship leaving Earth", "a quiet village festival",
+    "a child's first day at school", "a clock that runs backwards", "a fox in the snow", "a hot air balloon ride",
+    "an empty stadium", "a bakery at five in the morning", "a letter from the future", "a river in flood",
+    "the smell of rain", "a lonely astronaut", "a jazz club at midnight", "a farmers' market in summer",
+    "a stray dog finding a home", "a broken radio", "an island with no name", "a bridge in the fog",
+    "the last train home", "a wedding in the rain", "a secret door in a museum", "a tree that is a hundred years old",
+    "a kite on a windy day", "a night market", "a chess game in a park",
+]
+MORE_WRITING_TEMPLATES = WRITING_TEMPLATES + [
+    "Write a four-line rhyming poem about {s}.",
+    "Write a diary entry about {s}.",
+    "Write a short dialogue set around {s}.",
+]
+MORE_EMAILS = [
+    ("my bank", "a card payment I did not make"), ("my landlord", "renewing my lease"),
+    ("a job applicant", "an invitation to a second interview"), ("my son's school", "a missed homework assignment"),
+    ("a gym", "cancelling my membership"), ("an airline", "a lost suitcase"),
+    ("a client", "a project deadline that will slip by a week"), ("the IT department", "a laptop that will not start"),
+    ("a conference organizer", "submitting a talk proposal"), ("a plumber", "a leaking kitchen pipe"),
+]
+MORE_EMAIL_TEMPLATES = EMAIL_TEMPLATES + ["Write a friendly but firm email to {to} about {about}."]
+MORE_PRODUCTS = [
+    "a foldable electric scooter", "a cast-iron skillet", "a wireless keyboard", "a yoga mat",
+    "a kids' tablet with parental controls", "a sunrise alarm clock", "a waterproof phone case", "an air purifier",
+    "a set of reusable beeswax wraps", "a portable projector", "a mechanical pencil", "a robot vacuum cleaner",
+]
+REVIEWED = ["these headphones", "this coffee machine", "this laptop", "this backpack"]
+
+
 # --- held-out: topics and templates never used in training -----------------------------------------
 HELDOUT_CHAT_TOPICS = ["volcanoes", "the human brain", "paper money", "the Northern Lights", "submarines",
                        "the history of the bicycle", "octopuses", "the metric system"]
@@ -254,6 +378,30 @@ def _math_problems() -> list[str]:
     for i in range(10):
         a, b = 12 + 7 * i, 3 + i
         out.append(f"Is {a * b + 1} a prime number? Explain your reasoning.")
+    return out
+
+
+def _more_math_problems() -> list[str]:
+    out = []
+    for i in range(20):
+        a, b, c = 4 + (7 * i) % 31, 10 + (3 * i) % 19, 1 + (11 * i) % 23
+        out.append(f"What is the average of {a}, {b} and {c}?")
+    for i in range(15):
+        a, b, c, d = 1 + i % 4, 2 + i % 5 + i % 4, 1 + (2 * i) % 5, 3 + (3 * i) % 7
+        out.append(f"What is {a}/{b} + {c}/{d}? Simplify the result.")
+    for i in range(10):
+        out.append(f"How many minutes are there in {1 + i % 5} hours and {5 * (1 + (3 * i) % 11)} minutes?")
+    for i in range(10):
+        out.append(f"Convert {1.5 + 2.25 * i} kilometers to meters.")
+    for i in range(10):
+        p, r, t = 500 * (1 + i % 7), 2 + i % 5, 1 + (3 * i) % 6
+        out.append(f"If you invest ${p} at {r}% simple interest a year, how much interest do you earn in {t} years?")
+    for i in range(10):
+        a, b = 3 + (5 * i) % 17, 2 + (7 * i) % 13
+        out.append(f"What is the perimeter of a rectangle with sides {a} m and {b} m?")
+    for i in range(10):
+        p, n = 10 + 5 * (i % 6), 120 + 40 * i
+        out.append(f"{NAMES[(i + 3) % len(NAMES)]} reads {p} pages a day. How many days does a {n}-page book take?")
     return out
 
 
@@ -336,7 +484,50 @@ def training_records() -> list[dict]:
                                    "message:\n" + _contact_message(i)))
     for i in range(24):
         recs.append(("extraction", REVIEW_TASKS[i % 2].format(r=_review(i))))
-    return _dedupe(recs)
+    return _dedupe(recs + _second_batch())
+
+
+def _second_batch() -> list[tuple[str, str]]:
+    """The thirty-third session's prompts, in the first batch's category order."""
+    recs: list[tuple[str, str]] = []
+    for i, topic in enumerate(MORE_CHAT_TOPICS):
+        recs += [("chat", t.format(t=topic)) for t in _cycle_pick(MORE_CHAT_TEMPLATES, i, 4)]
+    for i, act in enumerate(MORE_ADVICE_ACTIVITIES):
+        recs += [("chat", t.format(a=act)) for t in _cycle_pick(MORE_ADVICE_TEMPLATES, i, 2)]
+    for a, b in MORE_COMPARISONS:
+        recs.append(("chat", f"What are the pros and cons of {a} versus {b}?"))
+    for i, task in enumerate(MORE_CODE_TASKS):
+        for j, lang in enumerate(_cycle_pick(MORE_CODE_LANGUAGES, i, 4)):
+            recs.append(("code", CODE_TEMPLATES[(i + j) % len(CODE_TEMPLATES)].format(lang=lang, task=task)))
+    for a, b in MORE_CODE_CONCEPTS:
+        recs.append(("code", f"What is the difference between {a} and {b}?"))
+    for code in MORE_CODE_SNIPPETS:
+        recs += [("code", t.format(code=code)) for t in SNIPPET_TEMPLATES]
+    for task in MORE_SQL_TASKS:
+        recs.append(("code", f"Write a SQL query that {task}."))
+    recs += [("math", p) for p in _more_math_problems()]
+    for i, subject in enumerate(MORE_WRITING_SUBJECTS):
+        recs += [("writing", t.format(s=subject)) for t in _cycle_pick(MORE_WRITING_TEMPLATES, i, 3)]
+    for to, about in MORE_EMAILS:
+        recs += [("writing", t.format(to=to, about=about)) for t in MORE_EMAIL_TEMPLATES]
+    for product in MORE_PRODUCTS:
+        recs += [("writing", t.format(p=product)) for t in PRODUCT_TEMPLATES]
+    for i in range(40, 90):  # the held-out set's passages are 100..103
+        recs.append(("extraction", EXTRACTION_TASKS[i % len(EXTRACTION_TASKS)].format(text=_passage(i))))
+    for i in range(16, 32):
+        recs.append(("extraction", "List the action items in these notes, with owner and deadline:\n"
+                                   + _meeting_notes(i)))
+    for i in range(16, 32):
+        recs.append(("extraction", "Turn this receipt into JSON with the fields item, quantity and price, "
+                                   "and give the total:\n" + _receipt(i)))
+    for i in range(12, 24):
+        recs.append(("extraction", "Extract the name, phone number, email address and deadline from this "
+                                   "message:\n" + _contact_message(i)))
+    for i in range(32):
+        (a1, s1), (a2, s2) = REVIEW_ASPECTS[i % len(REVIEW_ASPECTS)], REVIEW_ASPECTS[(i + 5) % len(REVIEW_ASPECTS)]
+        review = f"\"I have used {REVIEWED[i % len(REVIEWED)]} for {2 + i % 9} weeks. The {a1} {s1}, and the {a2} {s2}.\""
+        recs.append(("extraction", REVIEW_TASKS[(i // 4) % 2].format(r=review)))
+    return recs
 
 
 def heldout_records() -> list[dict]:
