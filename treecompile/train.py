@@ -134,6 +134,9 @@ class TrainConfig:
             raise ValueError(f"max_hours: expected a positive number of hours or None, got {self.max_hours!r}")
         if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
             raise ValueError(f"init_from: {self.init_from!r} has no config.json (expected an exported head directory)")
+        if self.init_from is not None and Path(self.init_from).resolve() == Path(self.out).resolve():
+            raise ValueError(f"init_from: {self.init_from!r} is also --out, whose checkpoints would overwrite the head "
+                             "it starts from; pass another --out")  # fmt: skip
         if self.lm_head_int8 and self.freeze_lm_head:
             raise ValueError("lm_head_int8: a frozen lm_head (freeze_lm_head) is not shipped at all; drop one of them")
 
@@ -867,7 +870,7 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
                 sum(len(r["tokens"]) for r in records))  # fmt: skip
 
     state = torch.load(ckpt_path, weights_only=False) if cfg.resume else None
-    warm = None
+    warm, base = None, _base_training(cfg.init_from)
     if state is not None:
         draft_ids = state["draft_ids"]
         if tuple(state["aux_layers"]) != tuple(aux_layers):
@@ -910,6 +913,7 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
         export_head(head, out, cfg.export_dtype, lm_head_from=model if cfg.freeze_lm_head else None,
                     lm_head_int8=cfg.lm_head_int8)
         summary = _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers)
+        summary["init_from"] = base
         (out / "training.json").write_text(json.dumps(summary, indent=1))
         logger.info("checkpoint at step %d (%s) in %s", step, reason, out)
 
@@ -961,6 +965,16 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
     if saved[0] != step or not (out / "model.safetensors").is_file():  # e.g. stopped by max_hours mid-interval
         checkpoint("final")
     return json.loads((out / "training.json").read_text())
+
+
+def _base_training(init_from: str | None) -> dict | None:
+    """What a warm start began from: its directory and that head's own ``training.json`` (its command, data
+    and losses, and its own ``init_from`` in turn), so a head trained on from another keeps its history in
+    one file. Read once, before the first checkpoint."""
+    if init_from is None:
+        return None
+    path = Path(init_from) / "training.json"
+    return {"path": str(init_from), "training": json.loads(path.read_text()) if path.is_file() else None}
 
 
 def _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers) -> dict:

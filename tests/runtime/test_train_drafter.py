@@ -436,6 +436,9 @@ def test_init_from_trains_on_from_an_exported_head(target_dir, tmp_path, caplog)
     for name in old:
         assert torch.equal(old[name], new[name]), name
     assert torch.equal(checkpoint(again)["draft_ids"], checkpoint(first)["draft_ids"])
+    # The new head's training.json carries the one it started from, whose own has no warm start.
+    summary, base = (json.loads((d / "training.json").read_text()) for d in (again, first))
+    assert summary["init_from"] == {"path": str(first), "training": base} and base["init_from"] is None
     fresh = tmp_path / "fresh"  # the same run without the warm start exports another head
     assert main(cli_args(target_dir, fresh, 1, *extra)) == 0
     assert not torch.equal(load_file(str(fresh / "model.safetensors"))["fc.weight"], old["fc.weight"])
@@ -689,6 +692,8 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
     other[other.index("--draft-vocab") + 1] = "30"
     assert main(other) == 2
     assert "init_from: the head has 40 draft ids, --draft-vocab is 30; pass --draft-vocab 40" in capsys.readouterr().err
+    assert main(cli_args(target_dir, out, 1, "--init-from", str(out))) == 2
+    assert "init_from: " in (err := capsys.readouterr().err) and "is also --out" in err
     assert main(cli_args(target_dir, tmp_path / "minutes", 1, "--max-minutes", "0")) == 2
     assert "max_hours: expected a positive number" in capsys.readouterr().err
     with pytest.raises(ValueError, match="features: one of auto, online, stored; got 'disk'"):
