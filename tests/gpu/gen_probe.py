@@ -12,6 +12,7 @@ sees in one session. On a random-weight SmolLM2-shaped target in bf16 (timing on
 - ``no_features``: ``_generate_shard`` without features (the top-k recorder's per-step log-softmax and copy
   to the host still run);
 - ``bare``: ``generate`` with no logits processor and no hidden states (what sampling alone costs);
+  ``bare_static`` the same with HF's static cache (``cache_implementation="static"``);
 - ``relabel``: one teacher-forced forward over the finished sequences, in row chunks, that computes the same
   features and top-k targets (what generating tokens first and labelling them after would add);
 - ``save``: ``torch.save`` of the shipped call's records (the disk write).
@@ -113,7 +114,7 @@ def main() -> int:
         finally:
             del model.generate
 
-        def bare():
+        def bare(**extra):
             width = max(len(p) for p in prompts)
             ids = torch.zeros(rows, width, dtype=torch.long)
             mask = torch.zeros(rows, width, dtype=torch.long)
@@ -122,16 +123,22 @@ def main() -> int:
                 mask[b, width - len(p):] = 1
             with torch.no_grad():
                 return model.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=steps,
-                                      do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)  # fmt: skip
+                                      do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, **extra)  # fmt: skip
 
         _, row["bare_s"] = timed(bare)
+        try:  # HF's static cache: no per-step concatenation of every layer's cache (DynamicCache grows by cat)
+            _, row["bare_static_s"] = timed(lambda: bare(cache_implementation="static"))
+        except Exception as exc:  # noqa: BLE001 - a probe: report and go on
+            row["bare_static_s"] = repr(exc)
         _, row["relabel_s"] = timed(lambda: relabel(model, recs, aux, 8))
         t0 = time.perf_counter()
         torch.save({"records": recs}, "/tmp/gen_probe_shard.pt")
         row["save_s"] = time.perf_counter() - t0
         row["shard_gb"] = os.path.getsize("/tmp/gen_probe_shard.pt") / 1e9
         os.remove("/tmp/gen_probe_shard.pt")
-        for k in ("shipped", "hidden_states", "no_features", "bare"):
+        for k in ("shipped", "hidden_states", "no_features", "bare", "bare_static"):
+            if not isinstance(row.get(k + "_s"), float):
+                continue
             row[k + "_ms_a_step"] = 1000 * row[k + "_s"] / steps
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         results.append(row)

@@ -30,6 +30,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="target and head dtype (default: bfloat16 on CUDA, float32 on the CPU)")
     args = p.parse_args()
 
     from treecompile.bench.e2e import heldout_in_order
@@ -49,7 +51,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
-    model, tok = load_smollm2(dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    model, tok = load_smollm2(dtype=dtype, device=dev)
     ids = [torch.tensor([chat_ids(tok, t)], device=dev) for t in texts]
     eos = model.generation_config.eos_token_id
     results = {}
@@ -78,7 +81,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "best": best, "trees": trees, "prompts": args.prompts,
-                       "max_new_tokens": args.max_new_tokens, "device": str(dev)}, f, indent=1)
+                       "max_new_tokens": args.max_new_tokens, "device": str(dev), "dtype": str(dtype)}, f, indent=1)
     print(best)
     return 0
 
