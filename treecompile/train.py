@@ -199,7 +199,8 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 class _TopKRecorder:
     """A logits processor that records the target's top-k log-probs of every generated position and
-    leaves the scores untouched (greedy picks the same token)."""
+    leaves the scores untouched (greedy picks the same token). The steps stay on the target's device until
+    :meth:`stacked` (a copy to the host a step would wait for the device every step)."""
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -208,8 +209,12 @@ class _TopKRecorder:
     def __call__(self, input_ids, scores):
         logp = torch.log_softmax(scores.float(), dim=-1)
         top = logp.topk(self.k, dim=-1)
-        self.steps.append((top.indices.to(torch.int32).cpu(), top.values.to(torch.float16).cpu()))
+        self.steps.append((top.indices.to(torch.int32), top.values.to(torch.float16)))
         return scores
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids int32 [B, steps, k], logp float16 [B, steps, k])`` on the host."""
+        return tuple(torch.stack([s[i] for s in self.steps], dim=1).cpu() for i in range(2))
 
 
 class _Temper:
@@ -258,8 +263,7 @@ def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_laye
             return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=pad,
         )  # fmt: skip
     gen = out.sequences[:, width:].cpu()
-    top_ids = torch.stack([s[0] for s in recorder.steps], dim=1)  # [B, steps, k]
-    top_logp = torch.stack([s[1] for s in recorder.steps], dim=1)
+    top_ids, top_logp = recorder.stacked()  # [B, steps, k]
     records = []
     for b, p in enumerate(prompt_ids):
         row = _until_eos(gen[b].tolist(), eos)
