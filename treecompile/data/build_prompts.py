@@ -447,87 +447,67 @@ def _contact_message(i: int) -> str:
     )
 
 
+def _batch(chat_topics, chat_templates, advice, advice_templates, comparisons, code_tasks, code_languages, concepts,
+           snippets, sql_tasks, math, subjects, writing_templates, emails, email_templates, products, extraction):  # fmt: skip
+    """One batch of training prompts, category by category, from its lists (``extraction``: its prompts, made
+    by the caller since each batch indexes the passage builders differently)."""
+    recs: list[tuple[str, str]] = []
+    for i, topic in enumerate(chat_topics):
+        recs += [("chat", t.format(t=topic)) for t in _cycle_pick(chat_templates, i, 4)]
+    for i, act in enumerate(advice):
+        recs += [("chat", t.format(a=act)) for t in _cycle_pick(advice_templates, i, 2)]
+    for a, b in comparisons:
+        recs.append(("chat", f"What are the pros and cons of {a} versus {b}?"))
+    for i, task in enumerate(code_tasks):
+        for j, lang in enumerate(_cycle_pick(code_languages, i, 4)):
+            recs.append(("code", CODE_TEMPLATES[(i + j) % len(CODE_TEMPLATES)].format(lang=lang, task=task)))
+    for a, b in concepts:
+        recs.append(("code", f"What is the difference between {a} and {b}?"))
+    for code in snippets:
+        recs += [("code", t.format(code=code)) for t in SNIPPET_TEMPLATES]
+    for task in sql_tasks:
+        recs.append(("code", f"Write a SQL query that {task}."))
+    recs += [("math", p) for p in math]
+    for i, subject in enumerate(subjects):
+        recs += [("writing", t.format(s=subject)) for t in _cycle_pick(writing_templates, i, 3)]
+    for to, about in emails:
+        recs += [("writing", t.format(to=to, about=about)) for t in email_templates]
+    for product in products:
+        recs += [("writing", t.format(p=product)) for t in PRODUCT_TEMPLATES]
+    return recs + [("extraction", p) for p in extraction]
+
+
+def _extraction(passages: range, notes: range, receipts: range, contacts: range) -> list[str]:
+    out = [EXTRACTION_TASKS[i % len(EXTRACTION_TASKS)].format(text=_passage(i)) for i in passages]
+    out += ["List the action items in these notes, with owner and deadline:\n" + _meeting_notes(i) for i in notes]
+    out += ["Turn this receipt into JSON with the fields item, quantity and price, and give the total:\n" + _receipt(i)
+            for i in receipts]  # fmt: skip
+    out += ["Extract the name, phone number, email address and deadline from this message:\n" + _contact_message(i)
+            for i in contacts]  # fmt: skip
+    return out
+
+
 def training_records() -> list[dict]:
-    recs: list[tuple[str, str]] = []
-    for i, topic in enumerate(CHAT_TOPICS):
-        recs += [("chat", t.format(t=topic)) for t in _cycle_pick(CHAT_TEMPLATES, i, 4)]
-    for i, act in enumerate(ADVICE_ACTIVITIES):
-        recs += [("chat", t.format(a=act)) for t in _cycle_pick(ADVICE_TEMPLATES, i, 2)]
-    for a, b in COMPARISONS:
-        recs.append(("chat", f"What are the pros and cons of {a} versus {b}?"))
-    for i, task in enumerate(CODE_TASKS):
-        for j, lang in enumerate(_cycle_pick(CODE_LANGUAGES, i, 4)):
-            recs.append(("code", CODE_TEMPLATES[(i + j) % len(CODE_TEMPLATES)].format(lang=lang, task=task)))
-    for a, b in CODE_CONCEPTS:
-        recs.append(("code", f"What is the difference between {a} and {b}?"))
-    for code in CODE_SNIPPETS:
-        recs += [("code", t.format(code=code)) for t in SNIPPET_TEMPLATES]
-    for task in SQL_TASKS:
-        recs.append(("code", f"Write a SQL query that {task}."))
-    recs += [("math", p) for p in _math_problems()]
-    for i, subject in enumerate(WRITING_SUBJECTS):
-        recs += [("writing", t.format(s=subject)) for t in _cycle_pick(WRITING_TEMPLATES, i, 3)]
-    for to, about in EMAILS:
-        recs += [("writing", t.format(to=to, about=about)) for t in EMAIL_TEMPLATES]
-    for product in PRODUCTS:
-        recs += [("writing", t.format(p=product)) for t in PRODUCT_TEMPLATES]
-    for i in range(40):
-        recs.append(("extraction", EXTRACTION_TASKS[i % len(EXTRACTION_TASKS)].format(text=_passage(i))))
-    for i in range(16):
-        recs.append(("extraction", "List the action items in these notes, with owner and deadline:\n"
-                                   + _meeting_notes(i)))
-    for i in range(16):
-        recs.append(("extraction", "Turn this receipt into JSON with the fields item, quantity and price, "
-                                   "and give the total:\n" + _receipt(i)))
-    for i in range(12):
-        recs.append(("extraction", "Extract the name, phone number, email address and deadline from this "
-                                   "message:\n" + _contact_message(i)))
-    for i in range(24):
-        recs.append(("extraction", REVIEW_TASKS[i % 2].format(r=_review(i))))
-    return _dedupe(recs + _second_batch())
-
-
-def _second_batch() -> list[tuple[str, str]]:
-    """The thirty-third session's prompts, in the first batch's category order."""
-    recs: list[tuple[str, str]] = []
-    for i, topic in enumerate(MORE_CHAT_TOPICS):
-        recs += [("chat", t.format(t=topic)) for t in _cycle_pick(MORE_CHAT_TEMPLATES, i, 4)]
-    for i, act in enumerate(MORE_ADVICE_ACTIVITIES):
-        recs += [("chat", t.format(a=act)) for t in _cycle_pick(MORE_ADVICE_TEMPLATES, i, 2)]
-    for a, b in MORE_COMPARISONS:
-        recs.append(("chat", f"What are the pros and cons of {a} versus {b}?"))
-    for i, task in enumerate(MORE_CODE_TASKS):
-        for j, lang in enumerate(_cycle_pick(MORE_CODE_LANGUAGES, i, 4)):
-            recs.append(("code", CODE_TEMPLATES[(i + j) % len(CODE_TEMPLATES)].format(lang=lang, task=task)))
-    for a, b in MORE_CODE_CONCEPTS:
-        recs.append(("code", f"What is the difference between {a} and {b}?"))
-    for code in MORE_CODE_SNIPPETS:
-        recs += [("code", t.format(code=code)) for t in SNIPPET_TEMPLATES]
-    for task in MORE_SQL_TASKS:
-        recs.append(("code", f"Write a SQL query that {task}."))
-    recs += [("math", p) for p in _more_math_problems()]
-    for i, subject in enumerate(MORE_WRITING_SUBJECTS):
-        recs += [("writing", t.format(s=subject)) for t in _cycle_pick(MORE_WRITING_TEMPLATES, i, 3)]
-    for to, about in MORE_EMAILS:
-        recs += [("writing", t.format(to=to, about=about)) for t in MORE_EMAIL_TEMPLATES]
-    for product in MORE_PRODUCTS:
-        recs += [("writing", t.format(p=product)) for t in PRODUCT_TEMPLATES]
-    for i in range(40, 90):  # the held-out set's passages are 100..103
-        recs.append(("extraction", EXTRACTION_TASKS[i % len(EXTRACTION_TASKS)].format(text=_passage(i))))
-    for i in range(16, 32):
-        recs.append(("extraction", "List the action items in these notes, with owner and deadline:\n"
-                                   + _meeting_notes(i)))
-    for i in range(16, 32):
-        recs.append(("extraction", "Turn this receipt into JSON with the fields item, quantity and price, "
-                                   "and give the total:\n" + _receipt(i)))
-    for i in range(12, 24):
-        recs.append(("extraction", "Extract the name, phone number, email address and deadline from this "
-                                   "message:\n" + _contact_message(i)))
+    first = _batch(
+        CHAT_TOPICS, CHAT_TEMPLATES, ADVICE_ACTIVITIES, ADVICE_TEMPLATES, COMPARISONS, CODE_TASKS, CODE_LANGUAGES,
+        CODE_CONCEPTS, CODE_SNIPPETS, SQL_TASKS, _math_problems(), WRITING_SUBJECTS, WRITING_TEMPLATES, EMAILS,
+        EMAIL_TEMPLATES, PRODUCTS,
+        _extraction(range(40), range(16), range(16), range(12))
+        + [REVIEW_TASKS[i % 2].format(r=_review(i)) for i in range(24)],
+    )  # fmt: skip
+    # The thirty-third session's second batch, appended (the held-out set's passages are 100..103).
+    reviews = []
     for i in range(32):
         (a1, s1), (a2, s2) = REVIEW_ASPECTS[i % len(REVIEW_ASPECTS)], REVIEW_ASPECTS[(i + 5) % len(REVIEW_ASPECTS)]
         review = f"\"I have used {REVIEWED[i % len(REVIEWED)]} for {2 + i % 9} weeks. The {a1} {s1}, and the {a2} {s2}.\""
-        recs.append(("extraction", REVIEW_TASKS[(i // 4) % 2].format(r=review)))
-    return recs
+        reviews.append(REVIEW_TASKS[(i // 4) % 2].format(r=review))
+    second = _batch(
+        MORE_CHAT_TOPICS, MORE_CHAT_TEMPLATES, MORE_ADVICE_ACTIVITIES, MORE_ADVICE_TEMPLATES, MORE_COMPARISONS,
+        MORE_CODE_TASKS, MORE_CODE_LANGUAGES, MORE_CODE_CONCEPTS, MORE_CODE_SNIPPETS, MORE_SQL_TASKS,
+        _more_math_problems(), MORE_WRITING_SUBJECTS, MORE_WRITING_TEMPLATES, MORE_EMAILS, MORE_EMAIL_TEMPLATES,
+        MORE_PRODUCTS, _extraction(range(40, 90), range(16, 32), range(16, 32), range(12, 24)) + reviews,
+    )  # fmt: skip
+    return _dedupe(first + second)
 
 
 def heldout_records() -> list[dict]:
