@@ -299,7 +299,7 @@ def _stored_features(model, records: list[dict], aux_layers, rows_a_call: int = 
             if bool(torch.isfinite(small).all()) or not bool(torch.isfinite(full).all()):
                 records[i]["features"] = small
             else:
-                records[i]["features"], wide = full, True
+                records[i]["features"], wide = full.clone(), True  # a view would save its whole group's storage
     if wide:
         logger.warning("hidden states exceed the float16 range; the records they occur in keep float32 features")
 

@@ -261,6 +261,9 @@ def test_stored_features_groups_and_float16_overflow(caplog):
     assert hot[0]["features"].dtype == torch.float32 and bool(torch.isfinite(hot[0]["features"]).all())
     assert hot[0]["features"].abs().max() > 65504
     assert hot[1]["features"].dtype == torch.float16
+    for r in hot:  # each record owns its storage (torch.save writes a view's whole storage)
+        f = r["features"]
+        assert f.untyped_storage().nbytes() == f.numel() * f.element_size()
     assert "exceed the float16 range" in caplog.text
 
 
