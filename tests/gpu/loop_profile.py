@@ -118,6 +118,14 @@ def profile(model, drafter, shape, inductor: bool, new_tokens: int = 256, profil
             tag = f"{name}_{k}_{s}_{n}_b{batch}_{'inductor' if inductor else 'eager'}{'_fused' if fuse else ''}"
             with open(f"{profile_dir}/{tag}.txt", "w") as f:
                 f.write(f"{tag}: 5 replays\n{table}\n")
+            kernels = [
+                {"name": e.key, "calls_per_replay": e.count / 5,
+                 "us_per_replay": getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) / 5}
+                for e in prof.key_averages()
+                if getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)) > 0
+            ]  # fmt: skip
+            with open(f"{profile_dir}/{tag}.json", "w") as f:  # for tests/gpu/kernel_diff.py
+                json.dump({"tag": tag, "kernels": kernels}, f, indent=1)
     gpu = out["round_gpu_ms"] if "round_gpu_ms" in out else out["draft_gpu_ms"] * (n > 1) + out["verify_commit_gpu_ms"]
     out["idle_ms_per_round_sync"] = out["ms_per_round_sync"] - gpu
     out["idle_ms_per_round_lookahead"] = out["ms_per_round_lookahead"] - gpu
