@@ -6,7 +6,8 @@
 # 930 of them new) with 16 samples a prompt (~27k sequences, ~20 GB of features), and times the data stage after
 # the change to stored features (forwards over finished rows). Then e2e batch 1 on all 56 held-out prompts, (4, 4,
 # 16): plain and the new head in one process, the shipped head in another. GEN_BATCH 3400: two samples of the
-# 1687 prompts a generate call (3072 would fit one).
+# 1687 prompts a generate call (3072 would fit one). The new head also runs (8, 4, 32): a better head may pay
+# for the wider tree that was a wash with the head before (thirty-second session).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 P=${P:-/tmp/pipe}
@@ -26,7 +27,7 @@ stage "data done: $(ls /tmp/headX/data 2>/dev/null | wc -l) files, $(du -sh /tmp
 wait $W; stage "train X rc=$?"; cp /tmp/headX/training.json "$P/trainingX.json" 2>/dev/null
 rm -rf /tmp/headX/data
 
-timeout 300 python3 -m treecompile.bench e2e $E2E --head /tmp/headX --configs tc_plain,tc_tree --trees "4,4,16" \
+timeout 360 python3 -m treecompile.bench e2e $E2E --head /tmp/headX --configs tc_plain,tc_tree --trees "4,4,16;8,4,32" \
   --json "$P/e2e_X.json" > "$P/e2e_X.log" 2>&1
 stage "e2e X rc=$?"
 timeout 200 python3 -m treecompile.bench e2e $E2E --configs tc_tree --trees "4,4,16" \
