@@ -33,4 +33,9 @@ stage "e2e X rc=$?"
 timeout 200 python3 -m treecompile.bench e2e $E2E --configs tc_tree --trees "4,4,16" \
   --json "$P/e2e_shipped.json" > "$P/e2e_shipped.log" 2>&1
 stage "e2e shipped rc=$?"
+# Both heads in float32 on the GPU: lossless texts, so the two heads' tau compare prompt by prompt (in bf16 each
+# run decodes its own texts; the thirty-third session's GPU gain was a third of the CPU's).
+timeout 300 python3 tests/gpu/head_tau.py /tmp/headX treecompile/heads/smollm2 --dtype float32 --prompts ${PROMPTS:-56} \
+  --max-new-tokens 256 --tree 4,4,16 --json "$P/head_tau_f32.json" > "$P/head_tau.log" 2>&1
+stage "head_tau float32 rc=$?"
 stage "DONE"
