@@ -279,8 +279,9 @@ def _generate_shard(model, prompt_ids: list[list[int]], max_new_tokens, aux_laye
 def _stored_features(model, records: list[dict], aux_layers, rows_a_call: int = 256) -> None:
     """Adds ``features [n - 1, F]`` (aux hidden states of positions 0..n-2) to each finished record, from
     parallel forwards of the target over the whole sequences (:func:`_online_features`, rows of similar
-    length together so little is padding); float16 unless a value overflows it, then that record keeps
-    float32.
+    length together so little is padding, at most :data:`ONLINE_HIDDEN_BUDGET` elements a group); float16
+    unless a value overflows it, then that record keeps float32. Rounding and the overflow test run on the
+    target's device, with one wait a group; each record gets its own host copy.
 
     Why not ``generate(output_hidden_states=True)``, which has the same states at hand: it keeps every
     layer's state of every step and copies the aux ones to the host a step at a time. On the H200 at
@@ -288,18 +289,25 @@ def _stored_features(model, records: list[dict], aux_layers, rows_a_call: int = 
     2.8 s for a forward over the finished rows that forms all logits too, which this one does not
     (thirty-third session, ``tests/gpu/gen_probe.py``). The values are the same up to rounding: the
     states a causal forward computes do not depend on the positions after them (float64 test)."""
+    here = next(model.parameters()).device
+    F = len(aux_layers) * int(model.config.hidden_size)
     order = sorted(range(len(records)), key=lambda i: len(records[i]["tokens"]))
-    wide = False
-    for start in range(0, len(order), rows_a_call):
-        group = order[start : start + rows_a_call]
-        for i, feats in zip(group, _online_features(model, records, [[i] for i in group], aux_layers, "cpu")):
-            full = feats[0]
-            # float16 halves the data; hidden-state outliers (SmolLM2's reach ~25k) must still fit its range.
-            small = full.to(torch.float16)
-            if bool(torch.isfinite(small).all()) or not bool(torch.isfinite(full).all()):
-                records[i]["features"] = small
-            else:
-                records[i]["features"], wide = full.clone(), True  # a view would save its whole group's storage
+    wide, start = False, 0
+    while start < len(order):
+        longest = len(records[order[min(start + rows_a_call, len(order)) - 1]]["tokens"]) - 1  # sorted: the last
+        group = order[start : start + max(1, min(rows_a_call, ONLINE_HIDDEN_BUDGET // max(longest * F, 1)))]
+        start += len(group)
+        (full,) = _online_features(model, records, [group], aux_layers, here)  # [g, T, F] float32, padded
+        # float16 halves the data; hidden-state outliers (SmolLM2's reach ~25k) must still fit its range.
+        small = full.to(torch.float16)
+        lengths = torch.tensor([len(records[i]["tokens"]) - 1 for i in group], device=here)
+        seen = torch.arange(full.shape[1], device=here)[None, :] < lengths[:, None]  # [g, T]: not padding
+        overflow = ((~torch.isfinite(small) & torch.isfinite(full)).any(-1) & seen).any(-1).tolist()
+        for r, i in enumerate(group):
+            src = full if overflow[r] else small
+            # A copy of the row alone: torch.save writes a view's whole storage.
+            records[i]["features"] = src[r, : len(records[i]["tokens"]) - 1].to("cpu", copy=True)
+        wide = wide or any(overflow)
     if wide:
         logger.warning("hidden states exceed the float16 range; the records they occur in keep float32 features")
 

@@ -232,7 +232,7 @@ def test_online_features_equal_what_generate_recorded(monkeypatch, temperature):
         torch.testing.assert_close(got[0], feats[[1], : got[0].shape[1]], rtol=1e-12, atol=1e-12)
 
 
-def test_stored_features_groups_and_float16_overflow(caplog):
+def test_stored_features_groups_and_float16_overflow(caplog, monkeypatch):
     """``_stored_features`` pairs every record with its own states however the rows are grouped into calls
     (sorted by length, so groups mix the records' order), and a record whose states overflow float16 keeps
     them in float32 with a warning while the others stay float16."""
@@ -242,15 +242,22 @@ def test_stored_features_groups_and_float16_overflow(caplog):
     records = [{"tokens": torch.randint(3, 99, (n,), generator=g, dtype=torch.int32), "prompt_len": 2} for n in lengths]
     aux = [1, 3, 2]
     train._stored_features(model, records, aux)
-    alone = [dict(r) for r in records]
-    train._stored_features(model, alone, aux, rows_a_call=2)
+    pairs = [dict(r) for r in records]
+    train._stored_features(model, pairs, aux, rows_a_call=2)
+    budget = [dict(r) for r in records]  # a hidden-state budget of one longest row: one row a group
+    monkeypatch.setattr(train, "ONLINE_HIDDEN_BUDGET", (max(lengths) - 1) * 96)
+    train._stored_features(model, budget, aux)
+    monkeypatch.undo()
     with torch.no_grad():
-        for r, a in zip(records, alone):
+        for r in records:
             out = model(input_ids=r["tokens"][None, :-1].long(), output_hidden_states=True)
             want = torch.cat([out.hidden_states[j] for j in aux], dim=-1)[0]
             assert r["features"].dtype == torch.float16 and r["features"].shape == (len(r["tokens"]) - 1, 96)
             torch.testing.assert_close(r["features"].double(), want, rtol=1e-3, atol=1e-3)
-            assert torch.equal(a["features"], r["features"])
+    for other in (pairs, budget):  # other groupings pad differently: the same values up to float16 rounding
+        for a, r in zip(other, records):
+            assert a["features"].dtype == torch.float16
+            torch.testing.assert_close(a["features"].double(), r["features"].double(), rtol=1e-3, atol=1e-3)
     big = 1e8  # one token's embedding row past float16's range (65504) in every state it reaches
     with torch.no_grad():
         model.model.embed_tokens.weight[77] *= big
@@ -265,6 +272,13 @@ def test_stored_features_groups_and_float16_overflow(caplog):
         f = r["features"]
         assert f.untyped_storage().nbytes() == f.numel() * f.element_size()
     assert "exceed the float16 range" in caplog.text
+    # Padding never decides: a group pads its shorter rows with token 0; make that token overflow too, and rows
+    # that do not hold it keep float16.
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0] *= big
+    cool = [{"tokens": torch.tensor(t, dtype=torch.int32), "prompt_len": 2} for t in ([5, 8, 6], [5, 8, 6, 7, 9, 11])]
+    train._stored_features(model, cool, aux)
+    assert [r["features"].dtype for r in cool] == [torch.float16, torch.float16]
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "qwen3_next", "bamba"])
