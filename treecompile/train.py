@@ -924,8 +924,8 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
         }, ckpt_path)  # fmt: skip
         export_head(head, out, cfg.export_dtype, lm_head_from=model if cfg.freeze_lm_head else None,
                     lm_head_int8=cfg.lm_head_int8)
-        summary = _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers)
-        summary["init_from"] = base
+        summary = _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers,
+                           base)  # fmt: skip
         (out / "training.json").write_text(json.dumps(summary, indent=1))
         logger.info("checkpoint at step %d (%s) in %s", step, reason, out)
 
@@ -989,7 +989,8 @@ def _base_training(init_from: str | None) -> dict | None:
     return {"path": str(init_from), "training": json.loads(path.read_text()) if path.is_file() else None}
 
 
-def _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers) -> dict:
+def _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_seconds, draft_ids, aux_layers,
+             init_from: dict | None) -> dict:  # fmt: skip
     tail = history[-20:]
     mean = lambda xs: float(sum(xs) / len(xs)) if xs else float("nan")  # noqa: E731
     per_step = len(tail[0]["ce"]) if tail else 0
@@ -1017,4 +1018,5 @@ def _summary(cfg, argv, records, gen_tokens, step, history, t_data, train_second
         "final_top1_acc_per_ttt_step": [mean([h["acc"][j] for h in tail if not math.isnan(h["acc"][j])]) for j in range(per_step)],
         "torch": torch.__version__,
         "python": sys.version.split()[0],
+        "init_from": init_from,  # a warm start's origin (_base_training)
     }
