@@ -98,8 +98,6 @@ def main() -> int:
         row = {"rows": rows, "steps": steps}
         args = (model, prompts, steps, aux, 8, [], 0)
         train._generate_shard(model, prompts[:8], 4, aux, 8, [], 0, temperature=0.8)  # warm the kernels
-        recs, row["shipped_s"] = timed(lambda: train._generate_shard(*args, temperature=0.8, features=True))
-        _, row["no_features_s"] = timed(lambda: train._generate_shard(*args, temperature=0.8, features=False))
         real = model.generate
 
         def with_states(**kw):  # the pre-thirty-third-session stored features: generate's own states
@@ -108,11 +106,12 @@ def main() -> int:
             torch.cat(steps, dim=1).to(torch.float16)
             return out
 
-        model.generate = with_states
-        try:
-            _, row["hidden_states_s"] = timed(lambda: train._generate_shard(*args, temperature=0.8, features=False))
-        finally:
-            del model.generate
+        def hidden_states():
+            model.generate = with_states
+            try:
+                return train._generate_shard(*args, temperature=0.8, features=False)
+            finally:
+                del model.generate
 
         def bare(**extra):
             width = max(len(p) for p in prompts)
@@ -125,12 +124,29 @@ def main() -> int:
                 return model.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=steps,
                                       do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, **extra)  # fmt: skip
 
-        _, row["bare_s"] = timed(bare)
-        try:  # HF's static cache: no per-step concatenation of every layer's cache (DynamicCache grows by cat)
-            _, row["bare_static_s"] = timed(lambda: bare(cache_implementation="static"))
-        except Exception as exc:  # noqa: BLE001 - a probe: report and go on
-            row["bare_static_s"] = repr(exc)
-        _, row["relabel_s"] = timed(lambda: relabel(model, recs, aux, 8))
+        recs = train._generate_shard(*args, temperature=0.8, features=True)  # the records relabel and save use
+        variants = {
+            "shipped": lambda: train._generate_shard(*args, temperature=0.8, features=True),
+            "no_features": lambda: train._generate_shard(*args, temperature=0.8, features=False),
+            "hidden_states": hidden_states,
+            "bare": bare,
+            "relabel": lambda: relabel(model, recs, aux, 8),
+        }
+        # Two passes, the second in reverse order: the thirty-fourth session's run (one pass) read the same
+        # hidden-states path 9.2 s third where the thirty-third's read 14.9 s first, so whichever variant runs
+        # first pays for something (allocator growth at the new shapes, autotuning). The reported value is the
+        # smaller of the two; both are kept.
+        for order in (list(variants), list(variants)[::-1]):
+            for name in order:
+                _, t = timed(variants[name])
+                row.setdefault(name + "_passes_s", []).append(round(t, 3))
+        for name in variants:
+            row[name + "_s"] = min(row[name + "_passes_s"])
+        if os.environ.get("STATIC", "0") == "1":  # HF's static cache: ~10x slower in the thirty-fourth session
+            try:
+                _, row["bare_static_s"] = timed(lambda: bare(cache_implementation="static"))
+            except Exception as exc:  # noqa: BLE001 - a probe: report and go on
+                row["bare_static_s"] = repr(exc)
         t0 = time.perf_counter()
         torch.save({"records": recs}, "/tmp/gen_probe_shard.pt")
         row["save_s"] = time.perf_counter() - t0
