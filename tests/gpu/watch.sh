@@ -20,7 +20,7 @@ while [ $(( $(date +%s) - t0 )) -lt "$limit" ]; do
   sleep 10
 done
 for f in "$P"/train*.log; do [ -f "$f" ] && { echo "--- $f"; tr '\r' '\n' < "$f" | grep -v "^$" | tail -4; }; done
-for f in "$P"/gpu_spec_tests.log "$P"/gpu_tests.log "$P"/new_tests.log "$P"/skinny_sweep.log "$P"/ab5.log "$P"/rounds_main.log "$P"/rounds_both.log "$P"/e2e_main.log "$P"/e2e_both.log "$P"/e2e_skinny.log "$P"/skinny_tests.log "$P"/gemv_sweep.log "$P"/rounds_gemv.log "$P"/e2e_gemv.log "$P"/rounds_combo.log "$P"/ab3.log "$P"/round_gaps.log "$P"/loop.log "$P"/head_tau.log "$P"/head_tau_B.log "$P"/e2e_b1.log "$P"/e2e_b1_draft.log "$P"/e2e_fp32.log "$P"/rounds.log "$P"/loop.log "$P"/sweep.log "$P"/linear.log "$P"/e2e_b416.log "$P"/demo.log "$P"/attention.log "$P"/e2e_A.log "$P"/e2e_B.log "$P"/e2e_compiled.log "$P"/e2e_shipped.log "$P"/e2e_W.log "$P"/e2e_X.log; do
+for f in "$P"/gpu_spec_tests.log "$P"/gpu_tests.log "$P"/new_tests.log "$P"/skinny_sweep.log "$P"/ab5.log "$P"/rounds_main.log "$P"/rounds_both.log "$P"/e2e_main.log "$P"/e2e_both.log "$P"/e2e_skinny.log "$P"/skinny_tests.log "$P"/gemv_sweep.log "$P"/rounds_gemv.log "$P"/e2e_gemv.log "$P"/rounds_combo.log "$P"/ab3.log "$P"/round_gaps.log "$P"/loop.log "$P"/head_tau.log "$P"/head_tau_B.log "$P"/e2e_b1.log "$P"/e2e_b1_draft.log "$P"/e2e_fp32.log "$P"/rounds.log "$P"/loop.log "$P"/sweep.log "$P"/linear.log "$P"/e2e_b416.log "$P"/demo.log "$P"/attention.log "$P"/e2e_A.log "$P"/e2e_B.log "$P"/e2e_compiled.log "$P"/e2e_shipped.log "$P"/e2e_W.log "$P"/e2e_X.log "$P"/e2e_Y.log; do
   [ -f "$f" ] && { echo "--- $f"; tail -25 "$f"; }
 done
 mkdir -p "$OUT"
