@@ -6,7 +6,10 @@
 # 2. The source of the batch-1 (4, 4, 16) round's kernels: loop_profile with a fresh inductor cache, then the
 #    output-code modules of the draft and verify graphs come back (prof_code.tgz). The draft's
 #    triton_red_fused_1 (one launch, 18.6 us of a ~240 us draft graph) and the verify's triton_poi_fused_1 (30
-#    launches, 3.0 us each at 16 rows against 1.8 at one) are the largest kernels nobody has read yet.
+#    launches, 3.0 us each at 16 rows against 1.8 at one) are the largest kernels nobody has read yet. Their names list no
+#    ops: Inductor names a combo kernel (several independent kernels in one launch; on by default since the
+#    thirty-first session) "fused" alone (torch/_inductor/codegen/simd.py defines it over the one combo node), so
+#    each is probably several kernels at once.
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
