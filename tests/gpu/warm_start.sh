@@ -5,7 +5,7 @@
 # texts). Started by a session script (tests/gpu/train34.sh, train35.sh set its parameters); follow it with
 # `HEADS=/tmp/headN bash tests/gpu/watch.sh 540`.
 # Env: N (the head's letter), SEED, STEPS (required); SAMPLES (16), LR (3e-4), GEN_BATCH (3400), TREES ("4,4,16"),
-# HEAD_TAU (0), PROMPTS (56).
+# SHIPPED_TREES ("4,4,16"), HEAD_TAU (0), PROMPTS (56).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 P=${P:-/tmp/pipe}
@@ -29,7 +29,9 @@ rm -rf /tmp/head$N/data
 timeout 360 python3 -m treecompile.bench e2e $E2E --head /tmp/head$N --configs tc_plain,tc_tree --trees "${TREES:-4,4,16}" \
   --json "$P/e2e_$N.json" > "$P/e2e_$N.log" 2>&1
 stage "e2e $N rc=$?"
-timeout 200 python3 -m treecompile.bench e2e $E2E --configs tc_tree --trees "4,4,16" \
+# The shipped head in its own process; with SHIPPED_TREES of more than one tree, beside plain (a second reading).
+SHIPPED_CONFIGS=tc_tree; case "${SHIPPED_TREES:-4,4,16}" in *";"*) SHIPPED_CONFIGS=tc_plain,tc_tree;; esac
+timeout 300 python3 -m treecompile.bench e2e $E2E --configs $SHIPPED_CONFIGS --trees "${SHIPPED_TREES:-4,4,16}" \
   --json "$P/e2e_shipped.json" > "$P/e2e_shipped.log" 2>&1
 stage "e2e shipped rc=$?"
 # Both heads in float32 on the GPU: lossless texts, so the two heads' tau compare prompt by prompt (in bf16 each
