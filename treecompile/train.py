@@ -285,9 +285,11 @@ def _stored_features(model, records: list[dict], aux_layers, rows_a_call: int = 
 
     Why not ``generate(output_hidden_states=True)``, which has the same states at hand: it keeps every
     layer's state of every step and copies the aux ones to the host a step at a time. On the H200 at
-    SmolLM2's shape, 3072 rows x 64 sampled steps took 14.9 s that way against 4.9 s without the states and
-    2.8 s for a forward over the finished rows that forms all logits too, which this one does not
-    (thirty-third session, ``tests/gpu/gen_probe.py``). The values are the same up to rounding: the
+    SmolLM2's shape, 3072 rows x 64 sampled steps took 9.2-14.9 s that way (the probe's first variant pays a
+    warm-up) against 4.9 s without the states and 2.7-2.8 s for a forward over the finished rows that forms
+    all logits too, which this one does not (``tests/gpu/gen_probe.py``). A whole data stage went from 83 to
+    59 us a generated token (thirty-third and thirty-fourth sessions; different prompt sets). The values are
+    the same up to rounding: the
     states a causal forward computes do not depend on the positions after them (float64 test)."""
     here = next(model.parameters()).device
     F = len(aux_layers) * int(model.config.hidden_size)
