@@ -309,6 +309,150 @@ MORE_PRODUCTS = [
 REVIEWED = ["these headphones", "this coffee machine", "this laptop", "this backpack"]
 
 
+# --- the third batch of training prompts (thirty-fifth session) -----------------------------------------
+# New topics again, and task types of everyday chat use that the first two batches lacked: translation,
+# rewriting, trip and meal planning, idea lists, trivia, thank-you notes, limericks, recipes, time and
+# proportion arithmetic, equations with unknowns on both sides, receipts of other shops, schedules. Some of
+# these types also occur in the held-out set; its own topics, sentences and numbers stay out of training
+# (`_check_reserved_topics` and `tests/runtime/test_prompts.py` check the reserved topics and the strings).
+THIRD_CHAT_TOPICS = [
+    "the Great Barrier Reef", "the water purification process", "the game of chess", "comets",
+    "anesthesia", "the Hundred Years' War", "bees and pollination", "the invention of the telephone", "quasars",
+    "the Andes mountains", "solar eclipses", "tea growing", "the Arctic", "the printing of newspapers",
+    "whales", "the human eye", "the Olympic marathon", "the stock exchange", "caves and stalactites",
+    "the Gold Rush", "rice farming", "the piano", "lighthouses", "the jet stream", "ant colonies",
+    "the Great Fire of London", "the Trans-Siberian Railway", "the human liver", "soap making",
+    "the Dutch Golden Age", "superconductors", "the Galapagos Islands", "pandas", "mapmaking",
+    "the Fibonacci sequence in nature", "the invention of glass", "hot springs", "the Antarctic Treaty",
+    "the human lungs", "cheese making", "the Hubble constant", "the Incas", "radio waves",
+    "early writing systems", "seed banks", "the Persian Empire", "coral bleaching", "the zipper",
+    "kangaroos", "the Amazon River", "the Rosetta Stone", "solar sails", "umbrellas",
+    "sand dunes", "the Cuban Missile Crisis", "the human kidneys", "Fresnel lenses",
+    "hummingbirds", "the Channel Tunnel", "the spice trade", "neutron stars", "the Harlem Renaissance",
+    "the Gregorian calendar", "termite mounds", "the Taj Mahal", "electric eels", "the Congo rainforest",
+    "cacao farming", "sundials", "the Apollo 13 mission", "snowflakes", "the Qin dynasty",
+    "the postal service", "geysers", "knitting", "the Dust Bowl", "red pandas",
+    "the life cycle of stars", "the toothbrush", "fjords",
+]  # fmt: skip
+THIRD_CHAT_TEMPLATES = [
+    "Describe the basics of {t}.",
+    "What is the history of {t}?",
+    "Teach me about {t} in five bullet points.",
+    "What would a student need to know about {t} for a quiz?",
+    "Give a two-paragraph introduction to {t}.",
+    "Why do people find {t} fascinating?",
+    "What are three myths about {t}, and what is the truth?",
+    "Explain {t} as if I were a curious adult with no science background.",
+]
+COUNTRIES = [
+    "Canada", "Japan", "Brazil", "Kenya", "Norway", "Egypt", "Argentina", "Vietnam", "Poland", "Morocco",
+    "Chile", "Thailand", "Portugal", "Ghana", "Finland", "Peru", "Turkey", "Indonesia", "Ireland", "Mexico",
+    "South Korea", "New Zealand", "Greece", "Colombia", "Sweden", "Nigeria", "Switzerland", "India",
+]
+TRIVIA_TEMPLATES = [
+    "What is the capital of {c}?",
+    "What languages are spoken in {c}?",
+    "Name three famous dishes from {c}.",
+    "Tell me a few facts about the geography of {c}.",
+]
+PLAN_CITIES = [("Paris", "art"), ("Kyoto", "temples"), ("Barcelona", "architecture"), ("London", "museums"),
+               ("Istanbul", "food"), ("Cape Town", "nature"), ("New York", "theatre"), ("Vienna", "music"),
+               ("Mexico City", "history"), ("Edinburgh", "castles"), ("Seoul", "shopping"), ("Prague", "old towns"),
+               ("Amsterdam", "cycling"), ("Buenos Aires", "dancing"), ("Marrakesh", "markets"), ("Vancouver", "hiking")]
+PLAN_TEMPLATES = [
+    "Plan a {n}-day trip to {city} for someone who loves {x}.",
+    "I have {n} days in {city} and I love {x}. What should I do each day?",
+]
+MEAL_PLANS = ["a vegetarian", "a student on a tight budget", "a family of four", "someone training for a marathon",
+              "a person who hates cooking", "someone avoiding gluten", "a busy nurse on night shifts",
+              "a beginner cook"]  # fmt: skip
+IDEA_LISTS = [
+    "weekend activities for a rainy day", "gift ideas for a ten-year-old", "names for a small bakery",
+    "team-building activities for a remote team", "cheap date ideas", "hobbies that can be done at home",
+    "ways to save energy at home", "science fair projects for middle school", "themes for a costume party",
+    "questions to ask at the end of a job interview", "podcast episode topics about history",
+    "ways to reduce food waste", "blog post ideas for a travel website", "easy houseplants for beginners",
+    "ways to celebrate a colleague's retirement", "fun facts to start a presentation",
+    "snacks for a long car journey", "ways to practice a new language every day", "lunch ideas for work",
+    "games to play with a group of children",
+]
+IDEA_TEMPLATES = ["Give me a list of {n} {x}.", "Suggest {n} {x}, with one sentence on each."]
+TRANSLATE_SENTENCES = [
+    "How much does this ticket cost?", "I would like a table for two, please.", "Can you help me find my hotel?",
+    "The museum opens at nine in the morning.", "I am allergic to peanuts.", "What time does the last bus leave?",
+    "My phone battery is almost empty.", "Could you speak a little more slowly?", "We are looking for a pharmacy.",
+    "It is raining, so take an umbrella.", "Thank you very much for your help.", "I lost my wallet yesterday.",
+    "Is breakfast included in the price?", "The meeting has been moved to Thursday.",
+    "How do I get to the airport from here?", "I would like to return this jacket.",
+]
+TRANSLATE_LANGUAGES = ["Spanish", "French", "German", "Italian", "Portuguese", "Dutch"]
+INFORMAL_SENTENCES = [
+    "gonna be late, traffic is crazy", "can u check the numbers again pls", "thx for the help yesterday!!",
+    "the meeting was kinda pointless tbh", "need the files by tmrw or we're in trouble",
+    "lol the printer broke again", "hey whats the plan for friday", "sry i forgot to call u back",
+    "this app is super buggy and slow", "we should totally grab lunch sometime",
+    "dunno if the budget will work out", "the client wants like a million changes",
+]
+REWRITE_TEMPLATES = [
+    "Make this message more polite: \"{m}\"",
+    "Rewrite this in clear, professional English: \"{m}\"",
+    "Fix the spelling and grammar of this message: \"{m}\"",
+    "Turn this text message into a short formal email: \"{m}\"",
+]
+THANKS = [("a nurse", "cared for my father in hospital"), ("a neighbour", "watered my plants while I was away"),
+          ("a coach", "helped our team reach the final"), ("a colleague", "covered my shifts last week"),
+          ("a librarian", "helped me find sources for my thesis"), ("a friend", "helped me move house"),
+          ("a mentor", "reviewed my first research paper"), ("a host family", "welcomed me for a summer"),
+          ("a bus driver", "returned my lost bag"), ("a volunteer", "organized the charity run")]
+THANKS_TEMPLATES = ["Write a short thank-you note to {who} who {did}.", "Write a warm thank-you card message for {who} who {did}."]
+LIMERICK_SUBJECTS = ["a cat who loves jazz", "a chef who cannot boil water", "a sleepy astronaut", "a giraffe in a car",
+                     "a pirate who gets seasick", "a dog who works in an office", "a snail in a hurry",
+                     "a ghost who is scared of people", "a baker who sneezes", "a knight afraid of horses"]
+RECIPES = ["a simple tomato soup", "pancakes for four people", "a quick vegetable stir-fry", "guacamole",
+           "banana bread", "a lentil curry", "overnight oats", "a Greek salad", "homemade pizza dough",
+           "a chocolate mug cake", "roasted vegetables", "scrambled eggs done well"]
+RECIPE_TEMPLATES = ["Write a simple recipe for {r}.", "List the ingredients and steps for {r}."]
+THIRD_CODE_TASKS = [
+    "checks whether a string is a valid hexadecimal color code", "counts the number of uppercase letters in a string",
+    "returns the k largest elements of a list", "computes the cumulative product of a list",
+    "groups a list of words by their first letter", "converts a string to title case",
+    "returns the indices of all occurrences of a value in a list", "checks whether a matrix is symmetric",
+    "computes the number of days between two dates", "generates all permutations of a short string",
+    "removes vowels from a string", "finds the longest common prefix of a list of strings",
+    "converts snake_case to camelCase", "computes the sum of a list without using a built-in sum",
+    "checks whether a number is a power of two", "returns the mode of a list of numbers",
+    "interleaves two lists", "counts the occurrences of a character in a string",
+    "computes the area of a polygon from its vertices", "validates a password against simple rules",
+    "returns every other element of a list", "converts temperatures from Fahrenheit to Celsius for a list",
+    "implements selection sort", "finds pairs in a list that sum to a target", "reverses a linked list",
+    "computes the digital root of a number", "masks all but the last four digits of a card number",
+    "returns the n-th row of Pascal's triangle", "checks whether a sentence is a pangram",
+    "computes the Hamming distance between two strings",
+]
+THIRD_CODE_LANGUAGES = ["Python", "JavaScript", "Go", "Rust", "Java", "C#", "Ruby", "TypeScript", "C++", "PHP"]
+THIRD_CODE_QUESTIONS = [
+    "How do I read a JSON file in Python?", "What does the `yield` keyword do in Python?",
+    "How do I handle errors with try and except in Python?", "What is a closure in JavaScript?",
+    "How do I undo the last git commit?", "What is the difference between == and === in JavaScript?",
+    "How do I create a virtual environment in Python?", "What does `async` and `await` mean?",
+    "How do I sort a list of dictionaries by a key in Python?", "What is Big O notation?",
+    "How do I make an HTTP request in Python?", "What is a race condition?",
+    "How do I write a unit test with pytest?", "What is dependency injection?",
+    "How do I remove a file from a git repository but keep it locally?", "What is a SQL index and when should I add one?",
+]  # fmt: skip
+THIRD_SQL_TASKS = [
+    "lists the products that have never been ordered", "finds the month with the highest sales",
+    "returns each department with its number of employees", "finds customers who placed more than three orders",
+    "computes the running total of sales by day", "lists orders placed on weekends",
+    "finds the most popular product in each category", "returns users who signed up in the last 30 days",
+]
+SHOP_ITEMS = [("notebook", 4), ("pen set", 7), ("desk lamp", 29), ("coffee mug", 9), ("backpack", 45),
+              ("water bottle", 15), ("umbrella", 18), ("phone charger", 22), ("scarf", 25), ("candle", 12)]
+HOTEL_ASPECTS = [("the breakfast", "was fresh and varied"), ("the room", "smelled of smoke"),
+                 ("the staff", "were friendly"), ("the wifi", "kept dropping"), ("the location", "was perfect"),
+                 ("the bed", "was too soft"), ("the pool", "was closed all week"), ("check-in", "took five minutes")]
+
+
 # --- held-out: topics and templates never used in training -----------------------------------------
 HELDOUT_CHAT_TOPICS = ["volcanoes", "the human brain", "paper money", "the Northern Lights", "submarines",
                        "the history of the bicycle", "octopuses", "the metric system"]
@@ -403,6 +547,102 @@ def _more_math_problems() -> list[str]:
         p, n = 10 + 5 * (i % 6), 120 + 40 * i
         out.append(f"{NAMES[(i + 3) % len(NAMES)]} reads {p} pages a day. How many days does a {n}-page book take?")
     return out
+
+
+def _third_math_problems() -> list[str]:
+    out = []
+    for i in range(16):
+        h, m, d = 8 + (5 * i) % 13, (7 * i) % 12 * 5, 35 + (17 * i) % 150
+        out.append(f"A film starts at {h}:{m:02d} and lasts {d} minutes. At what time does it end?")
+    for i in range(14):
+        h, m, dh, dm = 6 + (3 * i) % 15, (11 * i) % 12 * 5, 1 + i % 4, (7 * i) % 12 * 5
+        out.append(f"A bus leaves at {h}:{m:02d} and the ride takes {dh} hours and {dm} minutes. When does it arrive?")
+    for i in range(16):
+        a, b, c = 2 + i % 4, 8 + 4 * (i % 5), 20 + 6 * i
+        thing, dish = [("cups of flour", "pancakes"), ("bananas", "smoothies"), ("spoons of sugar", "cookies"),
+                       ("onions", "portions of soup")][i % 4]  # fmt: skip
+        out.append(f"A recipe uses {a} {thing} for {b} {dish}. How many {thing} are needed for {c} {dish}?")
+    for i in range(20):
+        a, c = 4 + i % 6, 1 + i % 3
+        x = 2 + (3 * i) % 9
+        b = 3 + (5 * i) % 13
+        d = (a - c) * x - b  # a x - b = c x + d, solved by x
+        right = ("x" if c == 1 else f"{c}x") + (f" + {d}" if d > 0 else f" - {-d}" if d < 0 else "")
+        out.append(f"Solve for x: {a}x - {b} = {right}.")
+    for i in range(12):
+        w, r = 40 + 15 * i, 4 + i % 6
+        out.append(f"A worker earns ${r * 5} an hour and works {w // 5} hours a week. What does she earn in a week?")
+    for i in range(12):
+        p, d = 20 + 15 * i, 10 + 5 * (i % 7)
+        out.append(f"A jacket costs ${p}. After a {d}% discount, what is the new price, and how much is saved?")
+    for i in range(10):
+        a, b = 12 + 9 * i, 3 + i % 5
+        out.append(f"{NAMES[i % len(NAMES)]} runs {b} km a day. How many days does it take to run {a} km?")
+    return out
+
+
+def _shop_text(i: int) -> str:
+    picks = [SHOP_ITEMS[(i + 3 * j) % len(SHOP_ITEMS)] for j in range(3)]
+    shop = COMPANIES[(i + 2) % len(COMPANIES)]
+    parts = [f"the {name} is ${price + i % 5}" for name, price in picks]
+    return f"At {shop} this week {parts[0]}, {parts[1]} and {parts[2]}."
+
+
+def _hotel_review(i: int) -> str:
+    (a1, s1), (a2, s2) = HOTEL_ASPECTS[i % len(HOTEL_ASPECTS)], HOTEL_ASPECTS[(i + 3) % len(HOTEL_ASPECTS)]
+    return f"\"We stayed {2 + i % 6} nights in {CITIES[i % len(CITIES)]}. {a1.capitalize()} {s1}, and {a2} {s2}.\""
+
+
+def _schedule(i: int) -> str:
+    days = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
+    events = ["dentist", "team meeting", "piano lesson", "parcel delivery", "dinner with " + NAMES[(i + 1) % len(NAMES)],
+              "gym class", "car service", "school play"]
+    rows = [f"{days[(i + j) % 5]} {8 + (3 * i + 4 * j) % 10}:00 {events[(i + 2 * j) % len(events)]}" for j in range(4)]
+    return "\n".join(rows)
+
+
+def _third_extraction() -> list[str]:
+    out = ["List each item and its price from this text:\n" + _shop_text(i) for i in range(20)]
+    out += ["Classify the sentiment of this hotel review as positive, negative or mixed: " + _hotel_review(i)
+            for i in range(16)]  # fmt: skip
+    out += ["List the good and the bad points of this stay: " + _hotel_review(i + 16) for i in range(12)]
+    out += ["Turn this schedule into a JSON list with the fields day, time and event:\n" + _schedule(i) for i in range(16)]
+    out += ["Which day is the busiest in this schedule, and what happens then?\n" + _schedule(i + 16) for i in range(8)]
+    out += ["Extract the email addresses and phone numbers from this message:\n" + _contact_message(i + 24)
+            for i in range(12)]  # fmt: skip
+    out += ["Summarize these meeting notes in two sentences:\n" + _meeting_notes(i + 32) for i in range(12)]
+    out += ["What is the total of this receipt? Show the sum:\n" + _receipt(i + 32) for i in range(12)]
+    return out
+
+
+def _third_batch() -> list[tuple[str, str]]:
+    """The thirty-fifth session's batch: new topics through the shared builder, then the new task types."""
+    recs = _batch(
+        THIRD_CHAT_TOPICS, THIRD_CHAT_TEMPLATES, [], ADVICE_TEMPLATES, [], THIRD_CODE_TASKS, THIRD_CODE_LANGUAGES, [],
+        [], THIRD_SQL_TASKS, _third_math_problems(), LIMERICK_SUBJECTS, ["Write a limerick about {s}."], THANKS,
+        [], [], _third_extraction(),
+    )  # fmt: skip
+    for i, country in enumerate(COUNTRIES):
+        recs += [("chat", t.format(c=country)) for t in _cycle_pick(TRIVIA_TEMPLATES, i, 2)]
+    for i, (city, likes) in enumerate(PLAN_CITIES):
+        recs.append(("chat", PLAN_TEMPLATES[i % 2].format(n=2 + i % 4, city=city, x=likes)))
+    for who in MEAL_PLANS:
+        recs.append(("chat", f"Make a one-week meal plan for {who}."))
+    for i, idea in enumerate(IDEA_LISTS):
+        recs.append(("chat", IDEA_TEMPLATES[i % 2].format(n=[3, 5, 7, 10][i % 4], x=idea)))
+    for question in THIRD_CODE_QUESTIONS:
+        recs.append(("code", question))
+    for i, sentence in enumerate(TRANSLATE_SENTENCES):
+        a, b = TRANSLATE_LANGUAGES[i % 6], TRANSLATE_LANGUAGES[(i + 2) % 6]
+        recs.append(("writing", f"Translate \"{sentence}\" into {a}."))
+        recs.append(("writing", f"How do you say \"{sentence}\" in {b}?"))
+    for i, message in enumerate(INFORMAL_SENTENCES):
+        recs += [("writing", t.format(m=message)) for t in _cycle_pick(REWRITE_TEMPLATES, i, 2)]
+    for i, (who, did) in enumerate(THANKS):
+        recs.append(("writing", THANKS_TEMPLATES[i % 2].format(who=who, did=did)))
+    for recipe in RECIPES:
+        recs += [("writing", t.format(r=recipe)) for t in RECIPE_TEMPLATES]
+    return recs
 
 
 def _passage(i: int) -> str:
@@ -507,7 +747,7 @@ def training_records() -> list[dict]:
         _more_math_problems(), MORE_WRITING_SUBJECTS, MORE_WRITING_TEMPLATES, MORE_EMAILS, MORE_EMAIL_TEMPLATES,
         MORE_PRODUCTS, _extraction(range(40, 90), range(16, 32), range(16, 32), range(12, 24)) + reviews,
     )  # fmt: skip
-    return _dedupe(first + second)
+    return _dedupe(first + second + _third_batch())
 
 
 def heldout_records() -> list[dict]:
