@@ -601,14 +601,24 @@ def _schedule(i: int) -> str:
     return "\n".join(rows)
 
 
+def _voicemail(i: int) -> str:
+    name, company = NAMES[(i + 5) % len(NAMES)], COMPANIES[(i + 4) % len(COMPANIES)]
+    about = ["the delayed shipment", "your invoice", "next week's workshop", "the contract renewal"][i % 4]
+    domain = company.lower().replace(" ", "")
+    return (
+        f"Voicemail: this is {name} calling from {company} about {about}. Please call back on +44 20 7946 "
+        f"{1000 + 37 * i} or email {name.lower()}@{domain}.com by {MONTHS[(i + 2) % 12]} {1 + (5 * i) % 28}."
+    )
+
+
 def _third_extraction() -> list[str]:
     out = ["List each item and its price from this text:\n" + _shop_text(i) for i in range(20)]
     out += ["Classify the sentiment of this hotel review as positive, negative or mixed: " + _hotel_review(i)
             for i in range(16)]  # fmt: skip
     out += ["List the good and the bad points of this stay: " + _hotel_review(i + 16) for i in range(12)]
     out += ["Turn this schedule into a JSON list with the fields day, time and event:\n" + _schedule(i) for i in range(16)]
-    out += ["Which day is the busiest in this schedule, and what happens then?\n" + _schedule(i + 16) for i in range(8)]
-    out += ["Extract the email addresses and phone numbers from this message:\n" + _contact_message(i + 24)
+    out += ["Which events in this schedule happen before noon?\n" + _schedule(i + 16) for i in range(8)]
+    out += ["Extract the caller's name, phone number, email address and deadline from this voicemail:\n" + _voicemail(i)
             for i in range(12)]  # fmt: skip
     out += ["Summarize these meeting notes in two sentences:\n" + _meeting_notes(i + 32) for i in range(12)]
     out += ["What is the total of this receipt? Show the sum:\n" + _receipt(i + 32) for i in range(12)]
