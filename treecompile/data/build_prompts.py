@@ -693,7 +693,7 @@ def _contact_message(i: int) -> str:
     name = NAMES[(i + 9) % len(NAMES)]
     return (
         f"Hi, this is {name} from {COMPANIES[(i + 1) % len(COMPANIES)]}. Call me at +1 555 01{10 + i:02d} "
-        f"or write to {name.lower()}.{i}@example.com before {MONTHS[(i + 6) % 12]} {10 + i}."
+        f"or write to {name.lower()}.{i}@example.com before {MONTHS[(i + 6) % 12]} {10 + i % 19}."
     )
 
 
