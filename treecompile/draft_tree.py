@@ -34,6 +34,7 @@ a CUDA-graph replay cost more than a small drafter's own forward.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,9 @@ from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_sam
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DraftTree", "LaneState", "TreeBatch", "rank_order"]
+__all__ = ["DraftTree", "LaneState", "TreeBatch", "ascending_unique", "rank_order"]
+
+PAIRWISE_RANK_ENV = "TREECOMPILE_PAIRWISE_RANK"
 
 
 @dataclass
@@ -104,12 +107,29 @@ class TreeBatch:
     candidate: torch.Tensor
 
 
-def rank_order(scores: torch.Tensor) -> torch.Tensor:
+def ascending_unique(keys: torch.Tensor, pairwise: bool = False) -> torch.Tensor:
+    """Permutation sorting ``keys [..., C]`` (int64, distinct along the last dim) ascending: ``sort().indices``.
+
+    ``pairwise``: no sort. Each key's rank is the number of keys below it (a ``[.., C, C]`` comparison summed:
+    one reduction kernel under Inductor, every element in parallel) and the permutation is a scatter of the
+    indices to their ranks. Exact for distinct keys, the same result as the sort; C^2 comparisons, so meant
+    for the few dozen to few hundred candidates of a round (opt-in, ``TREECOMPILE_PAIRWISE_RANK=1``, until the
+    GPU has timed it against the single-program sort)."""
+    if not pairwise:
+        return torch.sort(keys, dim=-1).indices
+    rank = (keys.unsqueeze(-2) < keys.unsqueeze(-1)).sum(-1)  # [.., i]: #{j : key_j < key_i}
+    index = torch.arange(keys.shape[-1], device=keys.device).expand_as(rank)
+    return torch.empty_like(rank).scatter_(-1, rank, index)
+
+
+def rank_order(scores: torch.Tensor, pairwise: bool = False) -> torch.Tensor:
     """Permutation ranking the last dim of ``scores``: higher first, ties to the lower index, NaN last.
 
     Parameters
     ----------
     scores : [..., C] floating, whose last-dim index is the candidate id order.
+    pairwise : rank without a sort (:func:`ascending_unique`); float32 and 16-bit scores only, float64 keeps
+        its two stable sorts.
 
     Returns
     -------
@@ -125,7 +145,7 @@ def rank_order(scores: torch.Tensor) -> torch.Tensor:
         ordered = torch.where(bits >= 1 << 31, (~bits) & 0xFFFFFFFF, bits | (1 << 31))
         ordered = torch.where(nan, 0xFFFFFFFF, ordered)
         index = torch.arange(scores.shape[-1], device=scores.device)
-        return torch.sort((ordered << 31) | index, dim=-1).indices
+        return ascending_unique((ordered << 31) | index, pairwise)
     # float64 (the CPU reference path): its bits do not fit a key beside an index; two stable passes.
     # `0 - s` maps -0.0 and +0.0 to one key (a radix sort would split them); NaN's own sort position
     # differs across devices and NaN sign bits, so NaN gets a finite-free key and a second stable pass.
@@ -135,26 +155,35 @@ def rank_order(scores: torch.Tensor) -> torch.Tensor:
     return order.gather(-1, nan_last)
 
 
+def pairwise_rank_from_env() -> bool:
+    """``TREECOMPILE_PAIRWISE_RANK``: "1" ranks by pairwise comparison, "0" or unset sorts."""
+    raw = os.environ.get(PAIRWISE_RANK_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{PAIRWISE_RANK_ENV}={raw!r}: expected '0' (sort) or '1' (pairwise ranks)")
+    return raw == "1"
+
+
 def _bit(index: torch.Tensor) -> torch.Tensor:
     """``1 << index`` as int64 (index int64 in 0..63; bit 63 is the sign bit)."""
     return torch.bitwise_left_shift(torch.ones_like(index), index)
 
 
-def _begin_core(logp0: torch.Tensor, tokens0: torch.Tensor, own_bits: torch.Tensor):
+def _begin_core(logp0: torch.Tensor, tokens0: torch.Tensor, own_bits: torch.Tensor, pairwise: bool = False):
     """Step 0's record and step 1's lanes. ``own_bits [K]``: the lanes' own lane-window bits (zeros when
     no lane step runs). Returns (scores, tokens, parents, lane tokens, lane scores, mask, candidate)."""
     B, K = logp0.shape
     score_dtype = torch.promote_types(logp0.dtype, torch.float32)
     scores = logp0.to(score_dtype).clamp(max=0)  # the root's score is 0
     tokens = tokens0.to(torch.int64)
-    order = rank_order(scores)
+    order = rank_order(scores, pairwise)
     return (
         scores, tokens, torch.full((B, K), -1, dtype=torch.int64, device=scores.device),
         tokens.gather(1, order), scores.gather(1, order), own_bits.expand(B, K).clone(), order,
     )  # fmt: skip
 
 
-def _expand_core(lane_scores, lane_mask, lane_candidate, child_logp, child_tokens, own_bits, first_id):
+def _expand_core(lane_scores, lane_mask, lane_candidate, child_logp, child_tokens, own_bits, first_id,
+                 pairwise: bool = False):  # fmt: skip
     """One expand's record and the next lanes. ``own_bits [K]``: the next lanes' own bits (zeros after the
     last step); ``first_id`` 0-d int64: the step's first candidate id. Returns (scores, tokens, parents,
     lane tokens, lane scores, mask, candidate, parent lane)."""
@@ -162,21 +191,22 @@ def _expand_core(lane_scores, lane_mask, lane_candidate, child_logp, child_token
     scores = (lane_scores.unsqueeze(2) + child_logp.to(lane_scores.dtype).clamp(max=0)).reshape(B, K * K)
     tokens = child_tokens.reshape(B, K * K)
     parents = lane_candidate.unsqueeze(2).expand(B, K, K).reshape(B, K * K)
-    order = rank_order(scores)[:, :K]  # [B, K] flat child index, best first
+    order = rank_order(scores, pairwise)[:, :K]  # [B, K] flat child index, best first
     parent_lane = torch.div(order, K, rounding_mode="floor")
     mask = lane_mask.gather(1, parent_lane) | own_bits
     return (scores, tokens, parents, tokens.gather(1, order), scores.gather(1, order), mask, order + first_id,
             parent_lane)  # fmt: skip
 
 
-def _select_core(scores: list, tokens: list, parents: list, root_tokens, cand_depth, N: int, S: int):
+def _select_core(scores: list, tokens: list, parents: list, root_tokens, cand_depth, N: int, S: int,
+                 pairwise: bool = False):  # fmt: skip
     """The best N-1 of the recorded candidates, numbered depth first, best child first (select())."""
     cand_scores, cand_tokens, cand_parent = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
     B = cand_scores.shape[0]
     M = N - 1  # kept candidates
     device = root_tokens.device
 
-    kept = rank_order(cand_scores)[:, :M]  # [B, M] candidate ids; position p = global rank p
+    kept = rank_order(cand_scores, pairwise)[:, :M]  # [B, M] candidate ids; position p = global rank p
     pos = torch.arange(M, dtype=torch.int64, device=device).expand(B, M)
     pos_of_cand = torch.full_like(cand_tokens, M).scatter_(1, kept, pos)  # M: not kept
     kept_parent = cand_parent.gather(1, kept)
@@ -201,7 +231,7 @@ def _select_core(scores: list, tokens: list, parents: list, root_tokens, cand_de
         # and the keys are unique (one path per node), so no stable pass is needed. Under Inductor each sort
         # is a single-program kernel of ~4-5 us on the H200 (S = 6: ~14 us a round for the loop below).
         shifts = (S - levels) * bits  # level l (column l - 1) shifts by (S - l) * bits
-        perm = torch.sort(((path + 1) << shifts).sum(-1), dim=1).indices
+        perm = ascending_unique(((path + 1) << shifts).sum(-1), pairwise)
     else:
         perm = pos  # S stable sorts, deepest level first: LSD-radix order gives the lexicographic one
         for level in range(S - 1, -1, -1):
@@ -250,9 +280,13 @@ class DraftTree:
         ``(S-1)*K``, lane-window slots (bits of the lane masks).
     inductor : bool
         Compile the per-round tensor work with Inductor (module docstring); default False (eager).
+    pairwise_rank : bool
+        Rank candidates by pairwise comparison instead of sorting (:func:`ascending_unique`; same trees).
+        Default from ``TREECOMPILE_PAIRWISE_RANK`` ("1" on; off unless set), for A/B runs on the GPU.
     """
 
-    def __init__(self, topk: int, steps: int, num_nodes: int, *, inductor: bool = False):
+    def __init__(self, topk: int, steps: int, num_nodes: int, *, inductor: bool = False,
+                 pairwise_rank: bool | None = None):  # fmt: skip
         for name, value in (("topk", topk), ("steps", steps), ("num_nodes", num_nodes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}: expected a Python int, got {type(value).__name__}")
@@ -279,6 +313,7 @@ class DraftTree:
         self.num_nodes = num_nodes
         self.num_candidates = num_candidates
         self.lane_window = lane_window
+        self.pairwise_rank = pairwise_rank_from_env() if pairwise_rank is None else bool(pairwise_rank)
         # Per-step records, in candidate-id order; rebuilt by every begin().
         self._scores: list[torch.Tensor] = []
         self._tokens: list[torch.Tensor] = []
@@ -343,7 +378,8 @@ class DraftTree:
             )
 
         own_bits = self._constants(logp0.device)[0]
-        scores, tokens, parents, lane_tokens, lane_scores, mask, order = self._begin_fn(logp0, tokens0, own_bits[0])
+        scores, tokens, parents, lane_tokens, lane_scores, mask, order = self._begin_fn(
+            logp0, tokens0, own_bits[0], self.pairwise_rank)
         self._scores, self._tokens, self._parents = [scores], [tokens], [parents]
         self._next_step = 1
         return LaneState(tokens=lane_tokens, scores=lane_scores, mask=mask, candidate=order,
@@ -390,7 +426,8 @@ class DraftTree:
         # Lanes that will run step s + 1 own slot s*K + r of the lane window (no bits after the last step).
         own_bits, first_ids, _ = self._constants(child_logp.device)
         scores, tokens, parents, lane_tokens, lane_scores, mask, candidate, parent_lane = self._expand_fn(
-            lanes.scores, lanes.mask, lanes.candidate, child_logp, child_tokens, own_bits[s], first_ids[s])
+            lanes.scores, lanes.mask, lanes.candidate, child_logp, child_tokens, own_bits[s], first_ids[s],
+            self.pairwise_rank)
         self._scores.append(scores)
         self._tokens.append(tokens)
         self._parents.append(parents)
@@ -439,6 +476,7 @@ class DraftTree:
 
         cand_depth = self._constants(root_tokens.device)[2]
         tokens, parents, depth, ancestor_mask, candidate = self._select_fn(
-            self._scores, self._tokens, self._parents, root_tokens, cand_depth, self.num_nodes, self.steps)
+            self._scores, self._tokens, self._parents, root_tokens, cand_depth, self.num_nodes, self.steps,
+            self.pairwise_rank)
         return TreeBatch(tokens=tokens, parents=parents, depth=depth, ancestor_mask=ancestor_mask,
                          candidate=candidate)  # fmt: skip

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from treecompile.draft_tree import DraftTree, TreeBatch, rank_order
+from treecompile.draft_tree import DraftTree, TreeBatch, ascending_unique, rank_order
 
 # (K, S, N): odd sizes, N = 1, 2, 33, 63, 64, full trees (N - 1 == K + (S-1)K^2), K = 1 chains,
 # and (8, 9, 64) whose lane window reaches bit 63.
@@ -357,10 +357,11 @@ def _rank_order_two_pass(scores):
     return order.gather(-1, torch.sort(nan.gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices)
 
 
+@pytest.mark.parametrize("pairwise", [False, True], ids=["sort", "pairwise"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_rank_order_one_sort_key_equals_two_stable_passes(dtype):
-    """Fuzz: the single int64-key sort of 16/32-bit scores ranks exactly as the two stable passes, over many
-    ties, +-0, +-inf and NaN of either sign, at widths from 1 to 400 candidates."""
+def test_rank_order_one_sort_key_equals_two_stable_passes(dtype, pairwise):
+    """Fuzz: the single int64-key sort of 16/32-bit scores (and its pairwise ranks, no sort) ranks exactly as
+    the two stable passes, over many ties, +-0, +-inf and NaN of either sign, at widths from 1 to 400."""
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
         C = int(torch.randint(1, 401, (1,), generator=g))
@@ -371,7 +372,40 @@ def test_rank_order_one_sort_key_equals_two_stable_passes(dtype):
                               (0.52, 0.55, float("inf")), (0.55, 0.60, -0.0), (0.60, 0.65, 0.0)):  # fmt: skip
             x = torch.where((u >= lo) & (u < hi), value, x)
         x = x.to(dtype)
-        assert torch.equal(rank_order(x), _rank_order_two_pass(x))
+        assert torch.equal(rank_order(x, pairwise), _rank_order_two_pass(x))
+
+
+def test_ascending_unique_pairwise_equals_sort_at_every_width():
+    """Distinct int64 keys, negative and beyond 32 bits included: pairwise ranks scatter to sort's permutation."""
+    g = torch.Generator().manual_seed(3)
+    for C in (1, 2, 3, 15, 16, 17, 63, 64, 65, 328):
+        keys = torch.randperm(4 * C, generator=g)[:C].view(1, C).expand(2, C).clone()
+        keys[1] = keys[1] * (1 << 40) - (1 << 50)  # still distinct, far outside int32
+        assert torch.equal(ascending_unique(keys, pairwise=True), torch.sort(keys, dim=-1).indices)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pairwise_rank_selects_the_same_trees(mode):
+    """DraftTree(pairwise_rank=True): every lane and tree equal to the sorting tree's, for every config."""
+    for K, S, N in CONFIGS:
+        inputs = make_inputs(K, S, 3, mode, torch.float32, seed=5)
+        want_lanes, want = run_round(DraftTree(K, S, N), *inputs)
+        got_lanes, got = run_round(DraftTree(K, S, N, pairwise_rank=True), *inputs)
+        for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (K, S, N, name)
+        for g, w in zip(got_lanes, want_lanes):
+            for name in ("tokens", "mask", "candidate", "parent_lane"):
+                assert torch.equal(getattr(g, name), getattr(w, name)), (K, S, N, name)
+
+
+def test_pairwise_rank_env(monkeypatch):
+    monkeypatch.setenv("TREECOMPILE_PAIRWISE_RANK", "1")
+    assert DraftTree(2, 3, 6).pairwise_rank and not DraftTree(2, 3, 6, pairwise_rank=False).pairwise_rank
+    monkeypatch.setenv("TREECOMPILE_PAIRWISE_RANK", "0")
+    assert not DraftTree(2, 3, 6).pairwise_rank
+    monkeypatch.setenv("TREECOMPILE_PAIRWISE_RANK", "yes")
+    with pytest.raises(ValueError, match="TREECOMPILE_PAIRWISE_RANK='yes': expected '0'"):
+        DraftTree(2, 3, 6)
 
 
 def test_ancestor_mask_matches_build_ancestor_mask():
@@ -473,11 +507,16 @@ def test_inductor_round_equals_eager():
         for name in ("tokens", "mask", "candidate", "parent_lane"):
             assert torch.equal(getattr(g, name), getattr(w, name)), name
         torch.testing.assert_close(g.scores, w.scores, rtol=0, atol=0, equal_nan=True)
+    # The pairwise ranks under Inductor: the same tree again.
+    _, pairwise = run_round(DraftTree(K, S, N, inductor=True, pairwise_rank=True), *inputs)
+    for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
+        assert torch.equal(getattr(pairwise, name), getattr(want, name)), name
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pairwise", [False, True], ids=["sort", "pairwise"])
 @pytest.mark.parametrize("config", [(4, 6, 63), (8, 9, 64)], ids=_cid)
-def test_cuda_matches_cpu_without_syncs(config):
+def test_cuda_matches_cpu_without_syncs(config, pairwise):
     K, S, N = config
     B = 6
     inputs = make_inputs(K, S, B, "some_nan", torch.float32, seed=7)
@@ -486,7 +525,7 @@ def test_cuda_matches_cpu_without_syncs(config):
     cuda_steps = [(cl.cuda(), ct.cuda()) for cl, ct in steps]
     # Host-to-device copies of the inputs are syncs themselves: do them before the checked region.
     logp0, tokens0, roots = logp0.cuda(), tokens0.cuda(), roots.cuda()
-    tree = DraftTree(K, S, N)
+    tree = DraftTree(K, S, N, pairwise_rank=pairwise)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
