@@ -482,6 +482,19 @@ def load_records(paths: list[Path]) -> tuple[list[dict], float]:
 # ---------------------------------------------------------------------------------------------------
 
 
+def _vocab_score(records: list[dict], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(score [V], generated counts [V])`` float64: one sort key for draft-vocabulary membership, the generated
+    count first, then the count among the target's recorded top-k alternatives, then the lower id."""
+    generated = torch.zeros(vocab_size, dtype=torch.float64)
+    alternatives = torch.zeros(vocab_size, dtype=torch.float64)
+    for r in records:
+        L = r["prompt_len"]
+        generated += torch.bincount(r["tokens"][L:].long(), minlength=vocab_size).double()
+        alternatives += torch.bincount(r["target_ids"].flatten().long(), minlength=vocab_size).double()
+    ids = torch.arange(vocab_size, dtype=torch.float64)
+    return generated * 1e12 + alternatives * 1e3 + (1 - ids / vocab_size), generated
+
+
 def build_draft_vocab(records: list[dict], vocab_size: int, draft_vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``draft_vocab`` most frequent generated tokens (ties to the lower id); when fewer distinct ones
     occur, the target's most frequent top-k alternatives fill up, then the lowest unused ids.
@@ -491,15 +504,7 @@ def build_draft_vocab(records: list[dict], vocab_size: int, draft_vocab: int) ->
     """
     if not 1 <= draft_vocab <= vocab_size:
         raise ValueError(f"draft_vocab: must be in 1..{vocab_size} (the target's vocabulary), got {draft_vocab}")
-    generated = torch.zeros(vocab_size, dtype=torch.float64)
-    alternatives = torch.zeros(vocab_size, dtype=torch.float64)
-    for r in records:
-        L = r["prompt_len"]
-        generated += torch.bincount(r["tokens"][L:].long(), minlength=vocab_size).double()
-        alternatives += torch.bincount(r["target_ids"].flatten().long(), minlength=vocab_size).double()
-    # One sort key: generated count first, then alternative count, then the lower id.
-    ids = torch.arange(vocab_size, dtype=torch.float64)
-    score = generated * 1e12 + alternatives * 1e3 + (1 - ids / vocab_size)
+    score, generated = _vocab_score(records, vocab_size)
     draft_ids = torch.sort(torch.topk(score, draft_vocab).indices).values
     d2t = draft_ids - torch.arange(draft_vocab)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
@@ -538,23 +543,60 @@ def init_head(model, draft_ids: torch.Tensor, seed: int = 0):
     return head
 
 
-def warm_head(path: str, model, aux_layers, draft_vocab: int):
+def warm_head(path: str, model, aux_layers, draft_vocab: int, records: list[dict] | None = None, seed: int = 0):
     """An exported head (``path``: config.json + weights, as :func:`export_head` writes them) as the float32
     head to train on: training goes on from its weights over its own draft vocabulary, so new data and more
     steps can add to a head across sessions (the optimizer state starts afresh; a lower ``--lr`` suits).
-    Refused unless its fused layers and draft vocabulary size are this run's."""
+
+    A larger ``draft_vocab`` grows the vocabulary: the head keeps every id it has (and its lm_head row), and the
+    ids this run's ``records`` generate most (:func:`build_draft_vocab`'s order) join with the target's own output
+    rows, as a fresh head's start (:func:`init_head`). Held-out greedy tokens outside a 12288-id vocabulary stop
+    about one path in seven short (twentieth session, BENCHMARKS.md). Refused unless its fused layers are this
+    run's and ``draft_vocab`` is at least its vocabulary."""
     from treecompile.drafter import EagleDrafter
 
     head = EagleDrafter.from_pretrained(path, model, dtype=torch.float32, device="cpu")
     if tuple(head.aux_layers) != tuple(aux_layers):
         raise ValueError(f"init_from: the head fuses hidden states {tuple(head.aux_layers)}, this run {tuple(aux_layers)}")
-    if head.draft_vocab_size != draft_vocab:
+    have = head.draft_vocab_size
+    if draft_vocab < have:
         raise ValueError(
-            f"init_from: the head has {head.draft_vocab_size} draft ids, --draft-vocab is {draft_vocab}; pass "
-            f"--draft-vocab {head.draft_vocab_size}"
+            f"init_from: the head has {have} draft ids, --draft-vocab is {draft_vocab}; pass --draft-vocab {have} "
+            "(or more, to grow it)"
         )
-    logger.info("warm start from %s (%d draft ids)", path, head.draft_vocab_size)
+    if draft_vocab > have:
+        if records is None:
+            raise ValueError("init_from: growing the draft vocabulary needs the run's data (records)")
+        head = _grown_head(head, model, draft_vocab, records, seed)
+        logger.info("warm start from %s: draft vocabulary %d -> %d ids (new lm_head rows from the target)", path,
+                    have, draft_vocab)  # fmt: skip
+    else:
+        logger.info("warm start from %s (%d draft ids)", path, have)
     return head
+
+
+def _grown_head(head, model, draft_vocab: int, records: list[dict], seed: int):
+    """``head`` over a larger draft vocabulary: its ids plus the most generated others (module :func:`warm_head`)."""
+    vocab = model.config.vocab_size
+    if draft_vocab > vocab:
+        raise ValueError(f"draft_vocab: must be in 1..{vocab} (the target's vocabulary), got {draft_vocab}")
+    old_ids = torch.arange(head.draft_vocab_size) + head.d2t.cpu()
+    score, _ = _vocab_score(records, vocab)  # build_draft_vocab's key, over the ids the head lacks
+    score[old_ids] = -1.0
+    new_ids = torch.topk(score, draft_vocab - len(old_ids)).indices
+    draft_ids = torch.sort(torch.cat([old_ids, new_ids])).values
+    grown = init_head(model, draft_ids, seed=seed)  # target rows for every id, fresh midlayer
+    old_state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    try:
+        missing, unexpected = grown.load_state_dict(old_state, strict=False)
+    except RuntimeError as exc:  # a shape that differs from a head sized for this target
+        raise ValueError(f"init_from: the head is not shaped like a fresh head for this target: {exc}") from None
+    if unexpected or not set(missing) <= {"lm_head.weight", "d2t", "t2d"}:
+        raise ValueError(f"init_from: the head's weights do not fit a grown head: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        position = torch.searchsorted(draft_ids, old_ids)  # where each old id sits in the grown vocabulary
+        grown.lm_head.weight[position] = head.lm_head.weight.detach().float()
+    return grown
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -890,7 +932,7 @@ def train_drafter(cfg: TrainConfig, model=None, tokenizer=None, target_name: str
         if tuple(state["aux_layers"]) != tuple(aux_layers):
             raise ValueError(f"resume: checkpoint aux_layers {state['aux_layers']} != the target's {aux_layers}")
     elif cfg.init_from is not None:
-        warm = warm_head(cfg.init_from, model, aux_layers, cfg.draft_vocab)
+        warm = warm_head(cfg.init_from, model, aux_layers, cfg.draft_vocab, records=records, seed=cfg.seed)
         draft_ids = torch.arange(warm.draft_vocab_size) + warm.d2t.cpu()
     else:
         draft_ids, _, _ = build_draft_vocab(records, vocab, cfg.draft_vocab)

@@ -715,3 +715,36 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
     assert "max_hours: expected a positive number" in capsys.readouterr().err
     with pytest.raises(ValueError, match="features: one of auto, online, stored; got 'disk'"):
         train.TrainConfig(out=str(tmp_path / "x"), features="disk").validate()
+
+
+def test_init_from_grows_the_draft_vocabulary(target_dir, tmp_path, caplog):
+    """--init-from with a larger --draft-vocab keeps every id of the head, its lm_head row and the rest of its
+    weights (a learning rate too small to move a float16 weight exports them again bit for bit), adds the ids the
+    run's data generates most with the target's own output rows, and the grown head speculates losslessly."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    first = tmp_path / "first"
+    assert main(cli_args(target_dir, first, 2)) == 0  # 40 ids
+    grown = tmp_path / "grown"
+    args = cli_args(target_dir, grown, 1, "--init-from", str(first), "--seed", "1", "--lr", "1e-12")
+    args[args.index("--draft-vocab") + 1] = "60"
+    with caplog.at_level(logging.INFO, logger="treecompile.train"):
+        assert main(args) == 0
+    assert "draft vocabulary 40 -> 60 ids" in caplog.text
+    old_ids, new_ids = checkpoint(first)["draft_ids"], checkpoint(grown)["draft_ids"]
+    assert len(new_ids) == 60 and bool((new_ids[1:] > new_ids[:-1]).all())
+    assert set(old_ids.tolist()) <= set(new_ids.tolist())
+    old, new = load_file(str(first / "model.safetensors")), load_file(str(grown / "model.safetensors"))
+    for name in old:
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(old[name], new[name]), name
+    position = torch.searchsorted(new_ids, old_ids)
+    assert torch.equal(new["lm_head.weight"][position], old["lm_head.weight"])
+    added = torch.tensor([i for i in range(60) if i not in set(position.tolist())])
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
+    target_rows = model.get_output_embeddings().weight[new_ids[added]].to(torch.float16)
+    assert torch.equal(new["lm_head.weight"][added], target_rows)
+    head = EagleDrafter.from_pretrained(grown, model)
+    assert head.draft_vocab_size == 60 and torch.equal(torch.arange(60) + head.d2t, new_ids)
+    assert_speculates_like_greedy(model, head)
