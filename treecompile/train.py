@@ -550,7 +550,7 @@ def warm_head(path: str, model, aux_layers, draft_vocab: int, records: list[dict
 
     A larger ``draft_vocab`` grows the vocabulary: the head keeps every id it has (and its lm_head row), and the
     ids this run's ``records`` generate most (:func:`build_draft_vocab`'s order) join with the target's own output
-    rows, as a fresh head's start (:func:`init_head`). Held-out greedy tokens outside a 12288-id vocabulary stop
+    rows carried into the head's row space (:func:`_grown_head`). Held-out greedy tokens outside a 12288-id vocabulary stop
     about one path in seven short (twentieth session, BENCHMARKS.md). Refused unless its fused layers are this
     run's and ``draft_vocab`` is at least its vocabulary."""
     from treecompile.drafter import EagleDrafter
@@ -568,8 +568,8 @@ def warm_head(path: str, model, aux_layers, draft_vocab: int, records: list[dict
         if records is None:
             raise ValueError("init_from: growing the draft vocabulary needs the run's data (records)")
         head = _grown_head(head, model, draft_vocab, records, seed)
-        logger.info("warm start from %s: draft vocabulary %d -> %d ids (new lm_head rows from the target)", path,
-                    have, draft_vocab)  # fmt: skip
+        logger.info("warm start from %s: draft vocabulary %d -> %d ids (new lm_head rows: the target's, mapped into "
+                    "the head's)", path, have, draft_vocab)  # fmt: skip
     else:
         logger.info("warm start from %s (%d draft ids)", path, have)
     return head
@@ -585,7 +585,7 @@ def _grown_head(head, model, draft_vocab: int, records: list[dict], seed: int):
     score[old_ids] = -1.0
     new_ids = torch.topk(score, draft_vocab - len(old_ids)).indices
     draft_ids = torch.sort(torch.cat([old_ids, new_ids])).values
-    grown = init_head(model, draft_ids, seed=seed)  # target rows for every id, fresh midlayer
+    grown = init_head(model, draft_ids, seed=seed)  # target rows for every id; the head's weights replace the rest
     old_state = {k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     try:
         missing, unexpected = grown.load_state_dict(old_state, strict=False)
@@ -595,7 +595,20 @@ def _grown_head(head, model, draft_vocab: int, records: list[dict], seed: int):
         raise ValueError(f"init_from: the head's weights do not fit a grown head: missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
         position = torch.searchsorted(draft_ids, old_ids)  # where each old id sits in the grown vocabulary
-        grown.lm_head.weight[position] = head.lm_head.weight.detach().float()
+        old_rows = head.lm_head.weight.detach().float()
+        added = torch.ones(draft_vocab, dtype=torch.bool)
+        added[position] = False
+        target_rows = grown.lm_head.weight.detach().clone()  # init_head's: the target's own rows (when it has them)
+        if old_rows.shape[0] >= old_rows.shape[1]:
+            # A trained head's rows drift from the target's (SmolLM2's shipped head: cosine 0.84, norm 0.96x), so a
+            # raw target row scores its token on another scale than its trained neighbours and steals the top-1 (a
+            # grown head's training-batch agreement fell 0.80 -> 0.34 before any step). The least-squares linear
+            # map from the target's rows of the old ids to their trained rows (residual 0.31 of the rows' norm
+            # there, against 0.54 for the best single scale) carries the new rows into the trained space.
+            old_target = target_rows[position].double()
+            mapping = torch.linalg.lstsq(old_target, old_rows.double()).solution
+            grown.lm_head.weight[added] = (target_rows[added].double() @ mapping).float()
+        grown.lm_head.weight[position] = old_rows
     return grown
 
 

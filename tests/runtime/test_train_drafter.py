@@ -720,7 +720,8 @@ def test_bad_input_is_refused_with_the_argument_named(target_dir, tmp_path, caps
 def test_init_from_grows_the_draft_vocabulary(target_dir, tmp_path, caplog):
     """--init-from with a larger --draft-vocab keeps every id of the head, its lm_head row and the rest of its
     weights (a learning rate too small to move a float16 weight exports them again bit for bit), adds the ids the
-    run's data generates most with the target's own output rows, and the grown head speculates losslessly."""
+    run's data generates most, their rows the target's own carried by the least-squares map from the target's
+    rows of the old ids to the head's, and the grown head speculates losslessly."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -731,7 +732,7 @@ def test_init_from_grows_the_draft_vocabulary(target_dir, tmp_path, caplog):
     args[args.index("--draft-vocab") + 1] = "60"
     with caplog.at_level(logging.INFO, logger="treecompile.train"):
         assert main(args) == 0
-    assert "draft vocabulary 40 -> 60 ids" in caplog.text
+    assert "draft vocabulary 40 -> 60 ids (new lm_head rows: the target's, mapped" in caplog.text
     old_ids, new_ids = checkpoint(first)["draft_ids"], checkpoint(grown)["draft_ids"]
     assert len(new_ids) == 60 and bool((new_ids[1:] > new_ids[:-1]).all())
     assert set(old_ids.tolist()) <= set(new_ids.tolist())
@@ -743,8 +744,12 @@ def test_init_from_grows_the_draft_vocabulary(target_dir, tmp_path, caplog):
     assert torch.equal(new["lm_head.weight"][position], old["lm_head.weight"])
     added = torch.tensor([i for i in range(60) if i not in set(position.tolist())])
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float64).eval()
-    target_rows = model.get_output_embeddings().weight[new_ids[added]].to(torch.float16)
-    assert torch.equal(new["lm_head.weight"][added], target_rows)
+    target = model.get_output_embeddings().weight.detach().float().double()  # the float32 head's copy, widened
+    trained = checkpoint(first)["head"]["lm_head.weight"].double()
+    mapping = torch.linalg.lstsq(target[old_ids], trained).solution
+    want = (target[new_ids[added]] @ mapping).float().to(torch.float16)
+    torch.testing.assert_close(new["lm_head.weight"][added], want, rtol=0, atol=2e-3)
+    assert not torch.equal(want, target[new_ids[added]].to(torch.float16))  # the map moved them off the raw rows
     head = EagleDrafter.from_pretrained(grown, model)
     assert head.draft_vocab_size == 60 and torch.equal(torch.arange(60) + head.d2t, new_ids)
     assert_speculates_like_greedy(model, head)
