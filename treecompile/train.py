@@ -549,10 +549,10 @@ def warm_head(path: str, model, aux_layers, draft_vocab: int, records: list[dict
     steps can add to a head across sessions (the optimizer state starts afresh; a lower ``--lr`` suits).
 
     A larger ``draft_vocab`` grows the vocabulary: the head keeps every id it has (and its lm_head row), and the
-    ids this run's ``records`` generate most (:func:`build_draft_vocab`'s order) join with the target's own output
-    rows carried into the head's row space (:func:`_grown_head`). Held-out greedy tokens outside a 12288-id vocabulary stop
-    about one path in seven short (twentieth session, BENCHMARKS.md). Refused unless its fused layers are this
-    run's and ``draft_vocab`` is at least its vocabulary."""
+    ids this run's ``records`` generate most (:func:`build_draft_vocab`'s order) join with the target's own
+    output rows carried into the head's row space (:func:`_grown_head`). Held-out greedy tokens outside a
+    12288-id vocabulary stop about one path in seven short (twentieth session, BENCHMARKS.md). Refused unless
+    its fused layers are this run's and ``draft_vocab`` is at least its vocabulary."""
     from treecompile.drafter import EagleDrafter
 
     head = EagleDrafter.from_pretrained(path, model, dtype=torch.float32, device="cpu")
