@@ -65,7 +65,7 @@ def _add_train(sub) -> None:
     p.add_argument("--init-from", default=None, metavar="HEAD_DIR",
                    help="warm start: train on from an exported head (its weights and draft vocabulary; fresh "
                    "optimizer state), e.g. with new sampled data or more steps; a --draft-vocab above the head's grows "
-                   "its vocabulary (new ids start from the target's output rows)")  # fmt: skip
+                   "its vocabulary (new ids start from the target's output rows, mapped into the head's)")  # fmt: skip
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop training with a checkpoint after this many minutes of it in all (a resumed run counts "
                    "the time before it; --resume continues), e.g. to fit a job's time limit")  # fmt: skip
