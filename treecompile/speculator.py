@@ -264,10 +264,11 @@ class TreeSpeculator:
     topk, steps, num_nodes : K candidates per step, S draft steps (step 0 included), N verify nodes.
         ``topk == 1`` is the chain: ``num_nodes`` becomes ``min(num_nodes, steps + 1)`` and
         ``steps = num_nodes - 1``. A batch verifies B x N rows a round and runs until its slowest request
-        stops, so the tree that pays shrinks with the batch: SmolLM2-135M on the H200 (BENCHMARKS.md, the
-        twenty-fifth and twenty-seventh sessions) gains most from (10, 6, 64) / (8, 6, 64) / (4, 4, 16) at batch
-        1 (1.70-1.83x plain decode), from (4, 4, 16) at batch 4 (1.83x; (8, 6, 64) only 1.13x), and at batch 16
-        from (2, 3, 6) with ``shrink_batch`` (1.26x; (4, 4, 16) 1.09x).
+        stops, so the tree that pays shrinks with the batch: SmolLM2-135M on the H200 with the shipped head
+        (BENCHMARKS.md, thirty-sixth session) gains most from (8, 4, 32) at batch 1 (2.13-2.14x plain decode;
+        (4, 4, 16) 2.06x, (12, 4, 48) 1.95x) and from (4, 4, 16) at batch 4 (2.02x; (8, 4, 32) 1.93x); at
+        batch 16 (twenty-seventh session, an earlier head) from (2, 3, 6) with ``shrink_batch`` (1.26x;
+        (4, 4, 16) 1.09x).
     max_batch_size : requests per generate call.
     max_seq_len : keys per request the caches hold; prompt + max_new_tokens + num_nodes must fit.
         Default ``min(max_position_embeddings, 4096)``.
