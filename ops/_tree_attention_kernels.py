@@ -250,6 +250,7 @@ def launch_cascade(
         l2_prefetch = 0
     # The prefetch's lines (a hint: the interpreter has no L2 and skips it, as does an empty tensor).
     pf_lines = 0 if prefetch is None or triton_interpret() else triton.cdiv(prefetch.numel() * prefetch.element_size(), 128)
+    pf_lines = min(pf_lines, prefetch_cap_lines())
     pf = prefetch if pf_lines else prefix_len  # unused when PF_LINES == 0
     tma = cfg.tma and _tma_layout_ok(k_cache, v_cache, page_size, cfg.block_n)
     if tma:
@@ -281,6 +282,26 @@ def launch_cascade(
         num_warps=cfg.merge_warps, **launch,
     )  # fmt: skip
     return out
+
+
+PREFETCH_MB_ENV = "TREECOMPILE_WEIGHT_PREFETCH_MB"
+
+
+def prefetch_cap_lines() -> int:
+    """The most 128-byte lines of a ``prefetch`` tensor one launch hints: its leading
+    ``TREECOMPILE_WEIGHT_PREFETCH_MB`` megabytes (default: all of it). For an A/B of how much of a weight the
+    attention's idle time can fetch (an 8B layer's ~7 us at ~4.3 TB/s is ~30 MB; its o weight 33.5 MB). Read at
+    launch, i.e. when a CUDA graph captures it."""
+    value = os.environ.get(PREFETCH_MB_ENV)
+    if value is None:
+        return 1 << 62
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"{PREFETCH_MB_ENV}: expected a number of megabytes >= 0, got {value!r}")
+    return int(mb * 2**20) // 128
 
 
 def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:

@@ -171,6 +171,22 @@ def test_a_prefetch_hint_changes_nothing(path, kernel_device):
     assert runs[0][0].isfinite().all()
 
 
+def test_prefetch_cap_reads_megabytes_and_refuses_bad_values(monkeypatch):
+    """``TREECOMPILE_WEIGHT_PREFETCH_MB`` caps the hinted lines (an A/B knob): unset is no cap, 0 is none,
+    1.5 MB is 12288 lines of 128 bytes; a negative or non-numeric value is one clear error."""
+    from treecompile.ops._tree_attention_kernels import PREFETCH_MB_ENV, prefetch_cap_lines
+
+    monkeypatch.delenv(PREFETCH_MB_ENV, raising=False)
+    assert prefetch_cap_lines() >= 1 << 40
+    for value, lines in (("0", 0), ("1.5", 12288), ("16", 131072)):
+        monkeypatch.setenv(PREFETCH_MB_ENV, value)
+        assert prefetch_cap_lines() == lines
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv(PREFETCH_MB_ENV, bad)
+        with pytest.raises(ValueError, match="TREECOMPILE_WEIGHT_PREFETCH_MB: expected a number of megabytes"):
+            prefetch_cap_lines()
+
+
 def test_op_on_cpu_runs_the_two_ops_in_order_and_traces():
     B, R, Hq, Hkv, D, page_size = 2, 4, 4, 2, 8, 8
     case = new_rows_case(B, R, Hq, Hkv, D, page_size, 6, [5, 11], [4, 2], torch.float64, seed=1)
