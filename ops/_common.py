@@ -130,7 +130,7 @@ WEIGHT_PREFETCH_ENV = "TREECOMPILE_WEIGHT_PREFETCH"
 def weight_prefetch_enabled() -> bool:
     """Whether attention calls hint the next projection's weight into L2 (``passes/prefetch_weights.py``, the
     drafter's attention): ``TREECOMPILE_WEIGHT_PREFETCH=1``; default off until an H200 A/B says it pays."""
-    value = os.environ.get(WEIGHT_PREFETCH_ENV, "0")
+    value = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip() or "0"
     if value not in ("0", "1"):
         raise ValueError(f"{WEIGHT_PREFETCH_ENV}: expected 0 or 1, got {value!r}")
     return value == "1"

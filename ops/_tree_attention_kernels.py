@@ -249,8 +249,9 @@ def launch_cascade(
     if page_size % cfg.block_n:  # the hints take a tile to lie in one page (one page-table read a tile)
         l2_prefetch = 0
     # The prefetch's lines (a hint: the interpreter has no L2 and skips it, as does an empty tensor).
-    pf_lines = 0 if prefetch is None or triton_interpret() else triton.cdiv(prefetch.numel() * prefetch.element_size(), 128)
-    pf_lines = min(pf_lines, prefetch_cap_lines())
+    pf_lines = 0
+    if prefetch is not None and not triton_interpret():
+        pf_lines = min(triton.cdiv(prefetch.numel() * prefetch.element_size(), 128), prefetch_cap_lines())
     pf = prefetch if pf_lines else prefix_len  # unused when PF_LINES == 0
     tma = cfg.tma and _tma_layout_ok(k_cache, v_cache, page_size, cfg.block_n)
     if tma:
@@ -292,8 +293,8 @@ def prefetch_cap_lines() -> int:
     ``TREECOMPILE_WEIGHT_PREFETCH_MB`` megabytes (default: all of it). For an A/B of how much of a weight the
     attention's idle time can fetch (an 8B layer's ~7 us at ~4.3 TB/s is ~30 MB; its o weight 33.5 MB). Read at
     launch, i.e. when a CUDA graph captures it."""
-    value = os.environ.get(PREFETCH_MB_ENV)
-    if value is None:
+    value = os.environ.get(PREFETCH_MB_ENV, "").strip()
+    if not value:
         return 1 << 62
     try:
         mb = float(value)

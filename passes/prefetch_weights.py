@@ -25,16 +25,18 @@ import logging
 import torch
 import torch.fx
 
+from treecompile.ops._common import WEIGHT_PREFETCH_ENV as ENV
+from treecompile.ops._common import weight_prefetch_enabled as enabled
+
 from .fuse_projections import _linear_args
+from .skinny_linears import _value
 
 __all__ = ["prefetch_weights", "enabled", "ENV"]
 
 logger = logging.getLogger(__name__)
 
-from treecompile.ops._common import WEIGHT_PREFETCH_ENV as ENV
-from treecompile.ops._common import weight_prefetch_enabled as enabled
 _DEVICE_TYPES = ("cuda",)  # where the hint does anything (tests on a CPU-only machine add "cpu")
-_SHAPE_METHODS = {"view", "reshape", "contiguous", "transpose", "permute", "flatten", "_unsafe_view"}
+_SHAPE_METHODS = {"view", "reshape", "contiguous", "transpose", "permute", "flatten"}
 _SHAPE_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.flatten}
 _MAX_STEPS = 8  # shape steps between an attention and its projection (HF: transpose, reshape, contiguous)
 
@@ -67,8 +69,7 @@ def _consumer_weight(attn: torch.fx.Node) -> torch.fx.Node | None:
 def _weight_value(gm: torch.fx.GraphModule, weight) -> torch.Tensor | None:
     if not isinstance(weight, torch.fx.Node) or weight.op not in ("get_attr", "placeholder"):
         return None  # computed in the graph (maybe by the kernel just before): not a constant to hint
-    value = getattr(gm, weight.target, None) if weight.op == "get_attr" else weight.meta.get("example_value")
-    return value if isinstance(value, torch.Tensor) else None
+    return _value(gm, weight)
 
 
 def prefetch_weights(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
