@@ -17,7 +17,12 @@ method: one call captured alone and timed per replay, which adds the graph launc
 launches.
 
 The floors are measured in the same run: K+V bytes over the device-to-device copy bandwidth (bytes read +
-written), and ``4 * P * D * Hq * N`` FLOPs over the rate of an 8192^3 bf16 matmul. ``--sweep`` times
+written), and ``4 * P * D * Hq * N`` FLOPs over the rate of an 8192^3 bf16 matmul. Beside them, "read" times
+the least any attention kernel can do per layer: one streaming read of the same K+V bytes (:func:`read_kv`,
+one load per program and nothing else), with the same per-layer method. At short prefixes the bandwidth floor
+is a few microseconds, and what a kernel pays to start, ramp up and drain inside the graph is not in it; the
+read column measures that cost on this machine, so ``cascade / read`` says how much of the gap any kernel
+could close. ``--sweep`` times
 stage-1 tile and split configurations of the cascade with the same per-layer method (tuning aid).
 """
 
@@ -30,6 +35,8 @@ import math
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +97,38 @@ def _time_graph(fns, reps: int = 40) -> tuple[float, bool]:
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     return times[len(times) // 2], graphed
+
+
+@triton.jit
+def _read_kernel(k_ptr, v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """Program i reads elements ``[i * BLOCK, (i + 1) * BLOCK)`` of K and of V (both loads issued before
+    either is used) and writes one float32 sum, so the read cannot be optimised away."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    k = tl.load(k_ptr + offs, mask=keep, other=0.0, eviction_policy="evict_first")
+    v = tl.load(v_ptr + offs, mask=keep, other=0.0, eviction_policy="evict_first")
+    tl.store(out_ptr + pid, tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0))
+
+
+READ_BLOCK = 8192  # elements a program reads from each of K and V (2 x 16 KB in bf16 in flight at once)
+
+
+def read_kv(k: torch.Tensor, v: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One streaming read of the first ``n`` elements of ``k`` and of ``v`` (contiguous, same dtype): the
+    least work any attention over those keys does. Returns ``[cdiv(n, READ_BLOCK)]`` float32 partial sums of
+    ``k + v`` (into ``out`` when given, so a CUDA graph can hold it)."""
+    if not (k.is_contiguous() and v.is_contiguous()) or k.dtype != v.dtype:
+        raise ValueError(f"read_kv: k and v must be contiguous and of one dtype, got {k.dtype} and {v.dtype}")
+    if not 0 < n <= min(k.numel(), v.numel()):
+        raise ValueError(f"read_kv: n must be in 1..{min(k.numel(), v.numel())}, got {n}")
+    grid = triton.cdiv(n, READ_BLOCK)
+    if out is None:
+        out = torch.empty(grid, dtype=torch.float32, device=k.device)
+    elif out.numel() < grid or out.dtype != torch.float32:
+        raise ValueError(f"read_kv: out must be float32 with >= {grid} elements, got {out.dtype} {out.numel()}")
+    _read_kernel[(grid,)](k, v, out, n, BLOCK=READ_BLOCK, num_warps=8)
+    return out
 
 
 def measure_ceilings() -> dict:
@@ -245,6 +284,12 @@ class Point:
             for x, q in zip(self.layers, q1)
         ]
 
+    def read(self):
+        """One streaming read of each layer's P + N keys and values (:func:`read_kv`): no attention at all."""
+        n = (self.P + self.N) * HKV * D
+        outs = [torch.empty(triton.cdiv(n, READ_BLOCK), dtype=torch.float32, device="cuda") for _ in self.layers]
+        return [lambda x=x, o=o: read_kv(x["k_cache"], x["v_cache"], n, o) for x, o in zip(self.layers, outs)]
+
     def decode_sdpa(self):
         F = torch.nn.functional
         n = self.P + 1
@@ -272,7 +317,7 @@ def _check(point: Point, out: torch.Tensor, label: str) -> float:
     return err
 
 
-VARIANTS = ("cascade", "flex", "sdpa_dense", "decode_ours", "decode_sdpa")
+VARIANTS = ("cascade", "flex", "sdpa_dense", "decode_ours", "decode_sdpa", "read")
 
 
 def run_bench(prefixes, nodes, ceilings, min_layers: int) -> list[dict]:
@@ -331,8 +376,9 @@ def _x(a, b):
 
 HEADER = (
     "| P | N | L | cascade us | flex us | SDPA dense us | decode ours (R=1) us | decode SDPA us "
-    "| floor us (bw / flop) | cascade / floor | flex / cascade | SDPA / cascade | cascade / decode ours | rel err |\n"
-    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| floor us (bw / flop) | read us | cascade / floor | cascade / read | flex / cascade | SDPA / cascade "
+    "| cascade / decode ours | rel err |\n"
+    "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 HEADER_SINGLE = (
     "| P | N | cascade us | flex us | SDPA dense us | decode ours (R=1) us | decode SDPA us | cascade / floor "
@@ -347,8 +393,8 @@ def _fmt_row(r) -> str:
     return (
         f"| {r['P']} | {r['N']} | {r['layers']} | {_us(c)} | {_us(r['flex_ms'])} | {_us(r['sdpa_dense_ms'])} "
         f"| {_us(r['decode_ours_ms'])} | {_us(r['decode_sdpa_ms'])} "
-        f"| {_us(r['floor_ms'])} ({_us(r['bw_floor_ms'])} / {_us(r['flop_floor_ms'])}) "
-        f"| {_x(c, r['floor_ms'])} | {_x(r['flex_ms'], c)} | {_x(r['sdpa_dense_ms'], c)} "
+        f"| {_us(r['floor_ms'])} ({_us(r['bw_floor_ms'])} / {_us(r['flop_floor_ms'])}) | {_us(r.get('read_ms'))} "
+        f"| {_x(c, r['floor_ms'])} | {_x(c, r.get('read_ms'))} | {_x(r['flex_ms'], c)} | {_x(r['sdpa_dense_ms'], c)} "
         f"| {_x(c, r['decode_ours_ms'])} | {r['err']:.1e} |"
     )
 
