@@ -22,3 +22,4 @@ for i in 1 2; do
     echo "rounds $v run $i rc=$?"; grep -E "^\| treecompile|prefetch_weights" "$OUT/rounds_${v}_$i.log" | head -5
   done
 done
+cd "$OUT" && tar czf raw.tgz --remove-files $(ls | grep -v "^raw.tgz$") && ls -la "$OUT"

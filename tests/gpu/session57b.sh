@@ -11,3 +11,4 @@ for pf in 0 1; do
     python3 tests/gpu/loop_profile.py "$OUT/loop_pf$pf.json" - fused-only > "$OUT/loop_pf$pf.log" 2>&1
   echo "loop_profile prefetch=$pf rc=$?"; python3 tests/gpu/loop_summary.py "$OUT/loop_pf$pf.json"
 done
+cd "$OUT" && tar czf raw.tgz --remove-files $(ls | grep -v "^raw.tgz$") && ls -la "$OUT"
