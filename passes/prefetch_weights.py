@@ -7,9 +7,11 @@ over a 2k prefix takes ~7 us and reads ~8 MB, so HBM idles through it, and then 
 BENCHMARKS.md). ``tree_attention_paged_write(..., prefetch=W)`` has its stage-1 programs issue
 ``prefetch.global.L2`` for W's lines before their own work (``ops/tree_attention.py``): fire-and-forget hints
 that hold no registers, so the attention itself is barely slowed, and W (which fits in L2) arrives while it
-runs. A hint never changes a value. Off by default until an H200 A/B says it pays (an L2 hint placed before
-the GEMMs' own dependency wait lost in the fifteenth session; this one uses the idle time of a different
-kernel instead).
+runs. A hint never changes a value. Measured on the H200 (thirty-seventh session, 8B ``bench rounds``, two
+passes each): it LOSES, all of the weight hinted (decode 4.501 / 4.502 -> 4.572 / 4.569 ms, verify 5.10 ->
+5.17-5.19, draft round 1.205 -> 1.221) and only its leading 16 MB (decode 4.541 / 4.535 ms) alike, as the fifteenth
+session's hints ahead of the GEMMs' own dependency wait did. So it stays off; it is kept for other GPUs and
+as the record of what was tried.
 
 The pass follows each ``tree_attention_paged_write`` node through shape-only steps (views, reshapes,
 transposes, ``contiguous``) to the one linear that reads it (``aten.linear`` / ``F.linear`` or
