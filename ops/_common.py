@@ -124,19 +124,6 @@ def inductor_pdl_patch(device: torch.device | None = None) -> dict:
     return {"triton.enable_pdl": True} if hasattr(inductor_config, "triton.enable_pdl") else {}
 
 
-WEIGHT_PREFETCH_ENV = "TREECOMPILE_WEIGHT_PREFETCH"
-
-
-def weight_prefetch_enabled() -> bool:
-    """Whether attention calls hint the next projection's weight into L2 (``passes/prefetch_weights.py``, the
-    drafter's attention): ``TREECOMPILE_WEIGHT_PREFETCH=1``. Off by default: on the H200 it slowed the 8B rounds
-    by 1-2% (thirty-seventh session, BENCHMARKS.md)."""
-    value = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{WEIGHT_PREFETCH_ENV}: expected 0 or 1, got {value!r}")
-    return value == "1"
-
-
 COMBO_ENV = "TREECOMPILE_COMBO_KERNELS"
 
 

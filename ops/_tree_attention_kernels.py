@@ -214,12 +214,11 @@ def _env_overrides() -> dict:
 
 def launch_cascade(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None,
-    config: CascadeConfig | None = None, new_rows=None, window_offset: int = 0, prefetch=None,
+    config: CascadeConfig | None = None, new_rows=None, window_offset: int = 0,
 ):  # fmt: skip
     """Stage 1 + stage 2 on q ``[B, R, Hq, D]``; returns ``[B, R, Hq, D]`` in q's dtype. ``new_rows = (k, v,
     slots)``, ``k, v [B * R, Hkv, D]``: written to the caches by the window programs, which read window keys
-    ``[window_offset, window_offset + R)`` from them (module docstring). ``prefetch``: a contiguous tensor whose
-    128-byte lines the stage-1 programs hint into L2, an equal share each, before their own work."""
+    ``[window_offset, window_offset + R)`` from them (module docstring)."""
     B, R, Hq, D = q.shape
     num_slots, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -248,11 +247,6 @@ def launch_cascade(
     l2_prefetch = check_l2_prefetch("config", cfg.l2_prefetch)
     if page_size % cfg.block_n:  # the hints take a tile to lie in one page (one page-table read a tile)
         l2_prefetch = 0
-    # The prefetch's lines (a hint: the interpreter has no L2 and skips it, as does an empty tensor).
-    pf_lines = 0
-    if prefetch is not None and not triton_interpret():
-        pf_lines = min(triton.cdiv(prefetch.numel() * prefetch.element_size(), 128), prefetch_cap_lines())
-    pf = prefetch if pf_lines else prefix_len  # unused when PF_LINES == 0
     tma = cfg.tma and _tma_layout_ok(k_cache, v_cache, page_size, cfg.block_n)
     if tma:
         k_desc, v_desc = (_tile_descriptor(c, cfg.block_n) for c in (k_cache, v_cache))
@@ -266,8 +260,6 @@ def launch_cascade(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), page_table.stride(1), prefix_len.stride(0), ancestor_mask.stride(0),
         ancestor_mask.stride(1), max_pages, num_slots // page_size, R, float(scale) * LOG2E, NS,
-        pf, pf_lines, triton.cdiv(pf_lines, B * Hkv * nrb * (NS + 1)) if pf_lines else 0,
-        PF_LINE_ELEMS=128 // (pf.element_size() if pf_lines else 1), PREFETCH=pf_lines > 0,
         HKV=Hkv, G=G, PAGE=page_size, WINDOW=window, NRB=nrb, D=D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
         MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None, TMA=tma, USE_PDL=pdl,
@@ -283,26 +275,6 @@ def launch_cascade(
         num_warps=cfg.merge_warps, **launch,
     )  # fmt: skip
     return out
-
-
-PREFETCH_MB_ENV = "TREECOMPILE_WEIGHT_PREFETCH_MB"
-
-
-def prefetch_cap_lines() -> int:
-    """The most 128-byte lines of a ``prefetch`` tensor one launch hints: its leading
-    ``TREECOMPILE_WEIGHT_PREFETCH_MB`` megabytes (default: all of it). For an A/B of how much of a weight the
-    attention's idle time can fetch (an 8B layer's ~7 us at ~4.3 TB/s is ~30 MB; its o weight 33.5 MB). Read at
-    launch, i.e. when a CUDA graph captures it."""
-    value = os.environ.get(PREFETCH_MB_ENV, "").strip()
-    if not value:
-        return 1 << 62
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"{PREFETCH_MB_ENV}: expected a number of megabytes >= 0, got {value!r}")
-    return int(mb * 2**20) // 128
 
 
 def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:
@@ -345,17 +317,11 @@ def cascade_partial_kernel(
     s_kc, s_kh, s_vc, s_vh,
     s_pt, s_pp, s_pl, s_ab, s_ar,
     max_pages, num_pages, R, qk_scale, NS,
-    pf, pf_lines, pf_per_program, PF_LINE_ELEMS: tl.constexpr, PREFETCH: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
     NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr, TMA: tl.constexpr,
     USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr, L2_LINES: tl.constexpr, L2_LINE_ELEMS: tl.constexpr,
 ):  # fmt: skip
-    if PREFETCH:
-        # Another tensor (the weight the next GEMM streams) hinted into L2, this program's share of its lines:
-        # a constant, so the hints may precede the dependency wait. They hold no registers and block nothing;
-        # the lines arrive while this latency-bound attention runs.
-        _prefetch_lines(pf, pf_lines, pf_per_program, PF_LINE_ELEMS)
     if L2_PREFETCH > 0:
         # Before the dependency wait (under PDL the previous kernel may still run): hint this split's first
         # L2_PREFETCH prefix tiles of K and V into L2, so the loads after the wait hit L2 instead of HBM.
@@ -470,18 +436,6 @@ def _split_keys(P, capacity, split, NS, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.con
     per_split = tl.maximum(tl.cdiv(tl.cdiv(p_end, BLOCK_N), NS), MIN_CHUNK // BLOCK_N)
     start = split * per_split * BLOCK_N
     return start, tl.minimum(start + per_split * BLOCK_N, p_end)
-
-
-@triton.jit
-def _prefetch_lines(pf, pf_lines, per_program, LINE_ELEMS: tl.constexpr):
-    """L2 hints for lines ``[p * per_program, (p + 1) * per_program)`` of ``pf`` (clipped to ``pf_lines``), p
-    the program's flat index over the (program, split) grid; 128 lines a step, one per thread of 4 warps."""
-    p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    first = p.to(tl.int64) * per_program
-    last = tl.minimum(first + per_program, pf_lines)
-    for i in range(0, per_program, 128):
-        line = first + i + tl.arange(0, 128)
-        prefetch_l2(tl.where(line < last, pf + line * LINE_ELEMS, pf))  # past the share: the first line again
 
 
 @triton.jit

@@ -7,7 +7,7 @@ recompile. On CUDA each layer's cache write folds into its attention call. A mat
 (HF 5.17's rotary frequencies) becomes a broadcast multiply. With a binding that fused its projection
 weights, q/k/v and gate/up become one linear each; with one that packs CPU linears, float32 linears run on
 oneDNN-packed weights; with one that asks for skinny linears, 16-bit CUDA linears of <= 64 rows run on
-Triton tiles; opt-in, each attention then hints its projection's weight into L2. Last, an eager CPU graph calls the attention ops' CPU implementations directly (no dispatcher).
+Triton tiles. Last, an eager CPU graph calls the attention ops' CPU implementations directly (no dispatcher).
 """
 
 from .check_attention_rewritten import check_attention_rewritten
@@ -17,18 +17,16 @@ from .fuse_cache_write import fuse_cache_write
 from .fuse_projections import fuse_projections
 from .outer_products import outer_products
 from .pack_cpu_linears import pack_cpu_linears
-from .prefetch_weights import prefetch_weights
 from .rewrite_attention import rewrite_attention
 from .rewrite_linear_attention import rewrite_linear_attention
 from .skinny_linears import skinny_linears
 
 PASSES: list = [
     rewrite_attention, rewrite_linear_attention, check_attention_rewritten, fuse_cache_write, outer_products,
-    fuse_projections, pack_cpu_linears, skinny_linears, prefetch_weights, clean_up_graph, direct_cpu_ops,
+    fuse_projections, pack_cpu_linears, skinny_linears, clean_up_graph, direct_cpu_ops,
 ]
 
 __all__ = [
     "PASSES", "rewrite_attention", "rewrite_linear_attention", "check_attention_rewritten", "fuse_cache_write",
-    "outer_products", "fuse_projections", "pack_cpu_linears", "skinny_linears", "prefetch_weights", "clean_up_graph",
-    "direct_cpu_ops",
+    "outer_products", "fuse_projections", "pack_cpu_linears", "skinny_linears", "clean_up_graph", "direct_cpu_ops",
 ]

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RAN in the thirty-seventh session (the prefetch lost 1-2% and was removed; TREECOMPILE_WEIGHT_PREFETCH no longer exists).
 # Next session, first device call (carry .whl; random weights, no GGUF). ~450 s. Issue 4's decode: the L2
 # weight prefetch during attention (passes/prefetch_weights.py, TREECOMPILE_WEIGHT_PREFETCH=1, off by default).
 # The 8B decode's attention runs ~7 us a layer with HBM mostly idle, then the o projection streams 33.5 MB from

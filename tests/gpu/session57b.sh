@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RAN in the thirty-seventh session (the prefetch lost 1-2% and was removed; TREECOMPILE_WEIGHT_PREFETCH no longer exists).
 # Next session, second device call (after tests/gpu/session57.sh; carry .whl): SmolLM2-shaped rounds (random
 # weights, batch 1) with and without the L2 weight prefetch: loop_profile's plain and (8, 4, 32) rounds (round,
 # draft graph, verify + commit). ~200 s.

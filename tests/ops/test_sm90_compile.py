@@ -28,9 +28,9 @@ ASYNC_COPY = re.compile(r"async_copy_global_to_local|async_tma_copy_global_to_lo
 CASCADE_TYPES = dict(
     q="*bf16", k_cache="*bf16", v_cache="*bf16", page_table="*i32", prefix_len="*i64", ancestor_mask="*i64",
     o_part="*fp32", lse_part="*fp32", k_desc="*bf16", v_desc="*bf16", k_new="*bf16", v_new="*bf16",
-    new_slots="*i64", qk_scale="fp32", pf="*bf16",
+    new_slots="*i64", qk_scale="fp32",
 )  # fmt: skip
-CASCADE_SCALARS = ("R", "NS", "num_slots", "max_pages", "num_pages", "pf_lines", "pf_per_program")  # any value
+CASCADE_SCALARS = ("R", "NS", "num_slots", "max_pages", "num_pages")  # any value: no divisibility
 SKINNY_TYPES = dict(x="*bf16", w="*bf16", b="*bf16", out="*bf16", ws="*fp32", counters="*i32")
 
 
@@ -38,16 +38,14 @@ def _cases() -> dict:
     """name -> (module, kernel, constexprs, types, unaligned args, num_warps, num_stages)."""
     cases = {}
     for tma in (False, True):
-        for new_rows, pdl, l2, pf in ((False, False, 0, False), (True, True, 0, False), (True, True, 4, False),
-                                      (True, True, 0, True)):
+        for new_rows, pdl, l2 in ((False, False, 0), (True, True, 0), (True, True, 4)):
             types = dict(CASCADE_TYPES)
             if tma:
                 types["k_desc"] = types["v_desc"] = "tensordesc<bf16[64,128]>"
             const = dict(HKV=8, G=4, PAGE=64, WINDOW=64, NRB=4, D=128, BLOCK_M=64, BLOCK_N=64, BLOCK_W=64,
                          MIN_CHUNK=256, PREC="tf32", NEW_ROWS=new_rows, TMA=tma, USE_PDL=pdl, L2_PREFETCH=l2,
-                         L2_LINES=2, L2_LINE_ELEMS=64, PF_LINE_ELEMS=64, PREFETCH=pf)  # fmt: skip
+                         L2_LINES=2, L2_LINE_ELEMS=64)  # fmt: skip
             name = f"stage1-{'tma' if tma else 'pointers'}-{'write+pdl' if pdl else 'plain'}{'-l2' if l2 else ''}"
-            name += "-pf" if pf else ""
             cases[name] = ("_tree_attention_kernels", "cascade_partial_kernel", const, types, CASCADE_SCALARS, 4, 3)
     for rows, pdl in ((1, True), (4, False)):
         cases[f"merge-rows{rows}"] = (
@@ -162,16 +160,6 @@ def test_l2_prefetch_hints_come_before_the_dependency_wait(report, name):
     entry = _entry(report, name)
     assert entry["l2_hints"] > 0 and entry["hints_before_wait"]
     assert _entry(report, name[: -len("-l2")])["l2_hints"] == 0
-
-
-@pytest.mark.parametrize("tma", ["pointers", "tma"])
-def test_cascade_weight_prefetch_hints_come_before_the_dependency_wait(report, tma):
-    """``prefetch`` (another tensor's lines, ``passes/prefetch_weights.py``): hints in the PTX, ahead of
-    ``griddepcontrol.wait``, and the prefix loop still pipelined; without it, no hint."""
-    entry = _entry(report, f"stage1-{tma}-write+pdl-pf")
-    assert entry["l2_hints"] > 0 and entry["hints_before_wait"]
-    assert entry["async_copies"] >= 2
-    assert _entry(report, f"stage1-{tma}-write+pdl")["l2_hints"] == 0
 
 
 def test_draft_topk_fused_merge_compiles_with_its_counter(report):
