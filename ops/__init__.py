@@ -15,3 +15,4 @@ from . import draft_topk  # noqa: F401  (draft_topk: top-k of a draft's log-prob
 from . import page_slots  # noqa: F401  (page_slots: key positions -> cache slots in one kernel)
 from . import vocab_argmax  # noqa: F401  (vocab_argmax: the greedy token of each row in two kernels)
 from . import skinny_linear  # noqa: F401  (skinny_linear: F.linear for <= 64 rows, Triton tiles)
+from . import fused_mlp  # noqa: F401  (fused_mlp: a gated MLP for <= 16 rows as one weight stream)

@@ -64,6 +64,17 @@ def _cases() -> dict:
         cases[f"skinny-gemv-split{split_k}-{'prefetch' if prefetch else 'wait'}{'-l2' if l2 else ''}"] = (
             "skinny_linear", "_skinny_gemv_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 3,
         )  # fmt: skip
+    mlp_types = dict(x="*bf16", wg="*bf16", wu="*bf16", wd="*bf16", ws="*fp32")
+    for even, pdl in ((True, True), (False, False)):  # the 8B decode's MLP (H 4096, I 14336), default tiles
+        const = dict(EVEN_H=even, EVEN_I=even, EVEN_OUT=even, PREC="tf32", USE_PDL=pdl, BLOCK_M=16, CHUNK=64,
+                     BLOCK_K=128, BLOCK_H=128, STAGES=3)  # fmt: skip
+        cases[f"mlp-chunk-{'even' if even else 'tails'}"] = (
+            "fused_mlp", "_mlp_chunk_kernel", const, mlp_types, ("M",), 4, 3,
+        )  # fmt: skip
+    cases["mlp-reduce"] = (
+        "fused_mlp", "_mlp_reduce_kernel", dict(USE_PDL=True, BLOCK=128, CHUNKS=16),
+        dict(ws="*fp32", out="*bf16"), ("M", "chunks"), 4, 3,
+    )  # fmt: skip
     import triton.language as tl
 
     topk_types = dict(logits_ptr="*bf16", cand_value_ptr="*fp32", cand_index_ptr="*i32", slice_max_ptr="*fp32",
@@ -119,6 +130,8 @@ def _compile_all() -> dict:
                 tma_copies=ttgir.count("async_tma_copy_global_to_local"), atomics=ttgir.count("tt.atomic_rmw"),
                 l2_hints=compiled.asm["ptx"].count("prefetch.global.L2"),
                 hints_before_wait=_hints_before_wait(compiled.asm["ptx"]), cg_loads=compiled.asm["ptx"].count("ld.global.cg"),
+                shared_bytes=int(getattr(compiled.metadata, "shared", 0) or 0),
+                pdl_waits=compiled.asm["ptx"].count("griddepcontrol.wait"),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
             report[name] = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -188,6 +201,21 @@ def test_skinny_mma_kernel_compiles_pipelined_with_split_k(report, split_k):
 def test_skinny_gemv_kernel_compiles_with_split_k(report, case):
     entry = _entry(report, f"skinny-gemv-{case}")
     assert (entry["atomics"] > 0) == case.startswith("split4")
+
+
+@pytest.mark.parametrize("tails", ["even", "tails"])
+def test_fused_mlp_chunk_kernel_compiles_with_both_loops_pipelined(report, tails):
+    """The fused MLP's chunk kernel at the 8B decode's default tiles: the gate/up loop's three tile loads (x,
+    gate, up) and the down loop's tile load are async copies, so each weight streams while the previous tile
+    is in the tensor cores; its shared memory fits a Hopper SM (227 KB) with room for a second program."""
+    entry = _entry(report, f"mlp-chunk-{tails}")
+    assert entry["async_copies"] >= 4, f"a loop's weight loads are not async copies: {entry}"
+    assert 0 < entry["shared_bytes"] <= 113 * 1024, entry["shared_bytes"]
+    assert entry["pdl_waits"] == (1 if tails == "even" else 0)
+
+
+def test_fused_mlp_reduce_kernel_compiles(report):
+    assert _entry(report, "mlp-reduce")["pdl_waits"] == 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""treespec::fused_mlp: both kernels (interpreter on CPU, the device on GPU) against a float64 gated MLP, over
+row counts 1..16, hidden and intermediate sizes that are not multiples of the tiles, a partial count of
+partials in the reduce's last step, strided rows, gate/up as views of one fused weight; the op's rounding
+reference, its boundary checks and the measured table's rules. Outputs are poisoned with NaN so an unwritten
+element fails. bfloat16 runs on the GPU only (the Triton 3.x interpreter's tl.dot misreads bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import poisoned
+
+from treecompile.ops import fused_mlp as fm
+from treecompile.ops.fused_mlp import (
+    MAX_ROWS, MlpConfig, _launch_fused_mlp, choose_mlp_config, fused_mlp_reference, measured_mlp_tiles, mlp_rows,
+    register_mlp_tiles,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _inputs(M, H, I, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, H, generator=g).to(dtype)
+    gate = (torch.randn(I, H, generator=g) / H**0.5).to(dtype)
+    up = (torch.randn(I, H, generator=g) / H**0.5).to(dtype)
+    down = (torch.randn(H, I, generator=g) / I**0.5).to(dtype)
+    return x, gate, up, down
+
+
+def _float64(x, gate, up, down):
+    x, gate, up, down = (t.double() for t in (x, gate, up, down))
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def _check(out, x, gate, up, down):
+    assert not out.isnan().any(), "unwritten output elements"
+    tol = 1e-5 if x.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), _float64(x, gate, up, down), rtol=tol, atol=tol)
+
+
+SMALL = dict(chunk=16, block_k=16, block_h=16, reduce_block=8, reduce_chunks=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "M,H,I,tiles",
+    [
+        (1, 64, 128, {}),  # the default tiles, every dim a multiple
+        (3, 50, 70, SMALL),  # H and I past the last tile: every tail mask
+        (16, 48, 96, SMALL),  # a full 16-row tile; 6 partials: the reduce's last step is partial
+        (5, 40, 33, dict(SMALL, chunk=32)),  # one feature in the last slice
+        (2, 17, 16, dict(SMALL, reduce_chunks=1, reduce_block=1)),  # one partial and one output a step
+    ],
+)
+def test_matches_float64_gated_mlp(dtype, M, H, I, tiles):
+    x, gate, up, down = _inputs(M, H, I, dtype, seed=M * 100 + H)
+    out = poisoned((M, H), dtype)
+    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **tiles))
+    _check(out, x, gate, up, down)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_rounds_like_the_unfused_path(dtype):
+    """The kernel rounds g, u and silu(g) * u to x's dtype as the unfused graph does: against the op's own
+    reference it differs only by summation order (far inside the float64 tolerance above)."""
+    x, gate, up, down = _inputs(4, 64, 96, dtype, seed=3)
+    out = poisoned((4, 64), dtype)
+    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(4, 64, 96, **SMALL))
+    want = fused_mlp_reference(x.float(), gate.float(), up.float(), down.float()) if dtype == torch.float32 else None
+    if want is None:  # float16: the reference in float16 rounds h exactly as the kernel does
+        want = fused_mlp_reference(x, gate, up, down).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+
+
+def test_strided_rows_and_fused_gate_up_views():
+    """x may be rows of a wider tensor (a row stride > H); gate and up may be the two halves of one fused
+    [2I, H] weight (fuse_projections' layout), passed as views without a copy."""
+    M, H, I = 3, 40, 48
+    wide = torch.randn(M, H + 24, dtype=torch.float32)
+    x = wide[:, 8 : 8 + H]
+    gate_up = torch.randn(2 * I, H) / H**0.5
+    down = torch.randn(H, I) / I**0.5
+    gate, up = gate_up[:I], gate_up[I:]
+    assert x.stride(0) == H + 24 and gate.data_ptr() != up.data_ptr()
+    out = poisoned((M, H), torch.float32)
+    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **SMALL))
+    _check(out, x, gate, up, down)
+
+
+def test_op_on_cpu_is_the_reference_and_its_fake_agrees():
+    x, gate, up, down = _inputs(2, 32, 48, torch.float32, seed=5)
+    out = torch.ops.treespec.fused_mlp(x, gate, up, down)
+    assert torch.equal(out, fused_mlp_reference(x, gate, up, down))
+    torch.library.opcheck(torch.ops.treespec.fused_mlp.default, (x, gate, up, down, True))
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = torch.ops.treespec.fused_mlp(*(mode.from_tensor(t) for t in (x, gate, up, down)))
+    assert fake.shape == (2, 32) and fake.dtype == torch.float32
+
+
+def test_mlp_rows_is_the_unfused_mlp_off_cuda():
+    """mlp_rows falls back to the three linears (HF LlamaMLP's computation) wherever the op does not apply."""
+    x, gate, up, down = _inputs(6, 32, 48, torch.float32, seed=7)
+    x = x.reshape(2, 3, 32)
+    want = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    assert torch.equal(mlp_rows(x, gate, up, down), want)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(x=torch.zeros(0, 32)), r"x: 1\.\.16 rows"),
+        (dict(x=torch.zeros(MAX_ROWS + 1, 32)), r"x: 1\.\.16 rows .* got M=17"),
+        (dict(x=torch.zeros(2, 3, 32)), r"x: expected a 2-d tensor \[M, H\]"),
+        (dict(x=torch.zeros(2, 32, dtype=torch.float64)), r"x: expected dtype"),
+        (dict(up=torch.zeros(48, 32, dtype=torch.float16)), r"up: expected dtype torch.float32"),
+        (dict(up=torch.zeros(40, 32)), r"gate, up: expected \[I, H=32\]"),
+        (dict(gate=torch.zeros(48, 31)), r"gate, up: expected \[I, H=32\]"),
+        (dict(down=torch.zeros(32, 40)), r"down: expected \[H=32, I=48\]"),
+        (dict(down=torch.zeros(48, 32).t()), r"down: the last dim must have stride 1"),
+        (dict(x=torch.zeros(32, 2).t()), r"x: the last dim must have stride 1"),
+        (dict(gate=torch.zeros(48, 32, device="meta")), r"all tensors must be on one device"),
+    ],
+)
+def test_bad_inputs_are_refused_by_name(change, match):
+    args = dict(x=torch.zeros(2, 32), gate=torch.zeros(48, 32), up=torch.zeros(48, 32), down=torch.zeros(32, 48))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        fm._check_inputs(**args)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("block_m", 8, "block_m must be a power of two >= 16"),
+        ("chunk", 48, "chunk must be a power of two >= 16"),
+        ("block_k", 8, "block_k must be a power of two >= 16"),
+        ("reduce_chunks", 3, "reduce_chunks must be a power of two"),
+        ("num_warps", 3, "num_warps must be"),
+        ("num_stages", 0, "num_stages must be in 1..8"),
+    ],
+)
+def test_bad_tiles_are_refused_by_name(field, value, match):
+    x, gate, up, down = _inputs(2, 32, 48, torch.float32)
+    cfg = choose_mlp_config(2, 32, 48, **{field: value})
+    with pytest.raises(ValueError, match=match):
+        _launch_fused_mlp(x, gate, up, down, torch.empty(2, 32), cfg)
+
+
+def test_default_tiles_fit_the_dims():
+    assert choose_mlp_config(1, 4096, 14336) == MlpConfig(16, 64, 128, 128)
+    small = choose_mlp_config(4, 20, 24)
+    assert (small.chunk, small.block_k, small.block_h) == (32, 32, 32)
+    with pytest.raises(ValueError, match=r"M: the fused MLP takes 1\.\.16 rows"):
+        choose_mlp_config(17, 64, 64)
+
+
+def test_measured_table_rules(monkeypatch):
+    """A shape is fused only once the sweep measured it >= 2% faster than the unfused chain; the nearest swept
+    row count stands in, but a 1-row entry serves only 1 row and the reverse."""
+    monkeypatch.setattr(fm, "_MEASURED", {})
+    assert measured_mlp_tiles(1, 4096, 14336) is None
+    best = dict(chunk=32, block_k=256, block_h=64, num_warps=8, num_stages=4, reduce_block=64, reduce_chunks=8)
+    rows = [dict(M=1, H=4096, I=14336, unfused_us=90.0, best=dict(best, us=85.0)),
+            dict(M=4, H=4096, I=14336, unfused_us=95.0, best=dict(best, us=94.0)),  # within 2%: unfused
+            dict(M=8, H=4096, I=14336, unfused_us=95.0, best=None)]  # fmt: skip
+    assert register_mlp_tiles(rows) == 2
+    cfg = measured_mlp_tiles(1, 4096, 14336)
+    assert cfg == MlpConfig(16, 32, 256, 64, 8, 4, 64, 8)
+    assert measured_mlp_tiles(4, 4096, 14336) is None
+    assert measured_mlp_tiles(2, 4096, 14336) is None  # the 4-row entry stands in, and it lost
+    register_mlp_tiles([dict(rows[1], best=dict(best, us=80.0))])
+    assert measured_mlp_tiles(2, 4096, 14336).chunk == 32
+    monkeypatch.delitem(fm._MEASURED, (1, 4096, 14336))
+    assert measured_mlp_tiles(1, 4096, 14336) is None  # 4 rows do not stand in for a decode
+    assert measured_mlp_tiles(17, 4096, 14336) is None
+    with pytest.raises(ValueError, match="chunk must be a power of two"):
+        register_mlp_tiles([dict(rows[0], best=dict(best, chunk=24, us=1.0))])
+
+
+def test_switch_values(monkeypatch):
+    monkeypatch.setenv(fm.FUSED_MLP_ENV, "1")
+    assert fm.fused_mlp_wanted()
+    monkeypatch.setenv(fm.FUSED_MLP_ENV, "0")
+    assert not fm.fused_mlp_wanted()
+    monkeypatch.setenv(fm.FUSED_MLP_ENV, "yes")
+    with pytest.raises(ValueError, match="TREECOMPILE_FUSED_MLP: expected 0 or 1, got 'yes'"):
+        fm.fused_mlp_wanted()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_bfloat16_8b_shape_on_cuda(M):
+    """The 8B Llama's MLP (H 4096, I 14336) in bfloat16 through the op, default and narrow tiles, against
+    float64; and captured in a CUDA graph, replayed with new rows written into the bound input."""
+    x, gate, up, down = (t.cuda() for t in _inputs(M, 4096, 14336, torch.bfloat16, seed=M))
+    for cfg in (None, choose_mlp_config(M, 4096, 14336, chunk=32, block_k=256, block_h=64, num_warps=8)):
+        out = poisoned((M, 4096), torch.bfloat16, "cuda")
+        _launch_fused_mlp(x, gate, up, down, out, cfg)
+        _check(out, x, gate, up, down)
+    static = x.clone()
+    torch.ops.treespec.fused_mlp(static, gate, up, down, True)  # warm-up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = torch.ops.treespec.fused_mlp(static, gate, up, down, True)
+    fresh = torch.randn_like(x)
+    static.copy_(fresh)
+    graph.replay()
+    _check(got, fresh, gate, up, down)
+
+
+def test_gpu_sweep_script_smoke(tmp_path, monkeypatch):
+    """tests/gpu/mlp_sweep.py's smoke mode (interpreter, two tiny shapes): every config is checked against
+    float64 and timed, and its JSON rows load into the measured table. Keeps the device script runnable."""
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "mlp_sweep.py"
+    spec = importlib.util.spec_from_file_location("mlp_sweep", script)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "mlp.json"
+    monkeypatch.setattr(sys, "argv", [str(script), str(out), "smoke"])
+    monkeypatch.setattr(fm, "_MEASURED", {})
+    sweep.main()
+    rows = json.loads(out.read_text())
+    assert [(r["M"], r["H"], r["I"]) for r in rows] == [(1, 40, 72), (3, 24, 64)]
+    for r in rows:
+        assert r["unfused_err"] < 1e-2 and all("error" not in c and c["err"] < 1e-2 for c in r["configs"])
+        assert r["best"]["us"] == min(c["us"] for c in r["configs"])
+    assert register_mlp_tiles(rows) == 2 and set(fm._MEASURED) == {(1, 40, 72), (3, 24, 64)}
