@@ -38,6 +38,7 @@ from torch import nn
 
 from treecompile.kv_cache import PagedKVCache
 from treecompile.ops.draft_topk import MAX_K as MAX_TOPK
+from treecompile.ops.fused_mlp import mlp_applies
 from treecompile.registry import Support, TreeSupport
 
 logger = logging.getLogger(__name__)
@@ -137,10 +138,21 @@ class EagleMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act in ("silu", "swish")  # the fused op's activation
         self.gate_up_weight: torch.Tensor | None = None  # set by EagleDrafter.fuse_projections
         self.linear = nn.functional.linear  # the fused GEMM's function (EagleDrafter.skinny_linears swaps it)
+        self.fused_mlp = False  # EagleDrafter.skinny_linears: treespec::fused_mlp where it applies and pays
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_mlp and self.silu:
+            if self.gate_up_weight is not None:
+                gate, up = self.gate_up_weight.chunk(2, dim=0)  # views of the fused [2I, H] weight
+            else:
+                gate, up = self.gate_proj.weight, self.up_proj.weight
+            if mlp_applies(x, gate, up, self.down_proj.weight):  # static metadata: 16-bit CUDA, <= 16 rows, measured
+                H = x.shape[-1]
+                out = torch.ops.treespec.fused_mlp(x.reshape(-1, H), gate, up, self.down_proj.weight, True)
+                return out.reshape(x.shape)
         if self.gate_up_weight is not None:
             gate, up = self.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:
@@ -378,12 +390,15 @@ class EagleDrafter(nn.Module):
     def skinny_linears(self) -> None:
         """Run the head's GEMMs (its ``nn.Linear`` modules and the fused q/k/v and gate/up weights) through
         :func:`treecompile.ops.skinny_linear.linear_rows`: Triton tiles for 16-bit CUDA inputs of <= 256 rows
-        (a draft step's K lanes), ``F.linear`` otherwise. Idempotent."""
+        (a draft step's K lanes), ``F.linear`` otherwise; and the gated MLP through ``treespec::fused_mlp``
+        where :func:`treecompile.ops.fused_mlp.mlp_applies` holds (16-bit CUDA, <= 16 rows, a measured win or
+        ``TREECOMPILE_FUSED_MLP=1``). Idempotent."""
         from treecompile.ops.skinny_linear import linear_rows
 
         rows = functools.partial(linear_rows, constant_weight=True)  # the fused weights are constants
         self.midlayer.self_attn.linear = rows
         self.midlayer.mlp.linear = rows
+        self.midlayer.mlp.fused_mlp = True  # the gated MLP as one treespec::fused_mlp call where it was measured faster
         count = 0
         for sub in self.modules():
             if type(sub) is nn.Linear:

@@ -1,0 +1,233 @@
+"""fuse_mlp: a few-row gated MLP (separate or fused gate/up projections) becomes one treespec::fused_mlp call;
+everything the pass must not touch stays as it was.
+
+The op's Triton path is CUDA-only; here the pass is told CPU counts too (its CPU path is the reference), so
+the rewrite, the cases it leaves alone and the values are checked on this machine. The kernels are checked in
+tests/ops/test_fused_mlp.py; on the GPU, tests/gpu/mlp_sweep.py checks and times them against the unfused
+chain before any shape enters the measured table.
+"""
+
+import importlib
+import operator
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treecompile.ops import fused_mlp as mlp_op
+from treecompile.ops.fused_mlp import fused_mlp_reference
+from treecompile.passes import PASSES, fuse_mlp, skinny_linears
+
+from test_outer_products import capture
+
+fuse_module = importlib.import_module("treecompile.passes.fuse_mlp")  # the package attribute is the pass
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ON = SimpleNamespace(binding=SimpleNamespace(skinny_linears=True))
+OFF = SimpleNamespace(binding=SimpleNamespace(skinny_linears=False))
+FUSED = torch.ops.treespec.fused_mlp.default
+H, I = 32, 48
+
+
+def calls(gm, target=FUSED):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def separate(x, gate, up, down):  # HF LlamaMLP, as Dynamo records it
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def fused_layout(x, gate_up, down):  # fuse_projections' layout: one linear, split in halves
+    g, u = torch.split(F.linear(x, gate_up), [I, I], dim=-1)
+    return F.linear(F.silu(g) * u, down)
+
+
+def weights(dtype=torch.float16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(I, H, generator=gen) / H**0.5).to(dtype)
+    up = (torch.randn(I, H, generator=gen) / H**0.5).to(dtype)
+    down = (torch.randn(H, I, generator=gen) / I**0.5).to(dtype)
+    return gate, up, down
+
+
+def rows(n, dtype=torch.float16, seed=1):
+    return torch.randn(1, n, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.fixture
+def cpu_counts(monkeypatch):
+    """The pass runs on CPU graphs, and (M, 32, 48) counts as a measured win for every M."""
+    monkeypatch.setattr(fuse_module, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(mlp_op, "_MEASURED", {})
+    monkeypatch.delenv(mlp_op.FUSED_MLP_ENV, raising=False)
+    for M in (1, 4):
+        mlp_op._MEASURED[(M, H, I)] = (16, 16, 16, 4, 2, 16, 4, 8.0, 10.0)
+
+
+def test_the_pass_runs_before_skinny_linears():
+    assert PASSES.index(fuse_mlp) < PASSES.index(skinny_linears)
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_separate_projections_become_one_call(cpu_counts, n):
+    gate, up, down = weights()
+    x = rows(n)
+    gm = capture(separate, x, gate, up, down)
+    (want,) = gm(x, gate, up, down)
+    gm = fuse_mlp(gm, ON)
+    (call,) = calls(gm)
+    assert not calls(gm, torch._C._nn.linear) and not calls(gm, F.silu) and not calls(gm, operator.mul)
+    assert call.args[4] is True  # graph-input weights: parameters
+    (got,) = gm(x, gate, up, down)
+    assert got.shape == want.shape
+    assert torch.equal(got, fused_mlp_reference(x.reshape(n, H), gate, up, down).reshape(1, n, H))
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)  # the unfused path rounds silu and mul apart
+
+
+def test_fused_gate_up_is_passed_as_two_views(cpu_counts):
+    gate, up, down = weights(seed=2)
+    gate_up = torch.cat([gate, up])
+    x = rows(4)
+    gm = capture(fused_layout, x, gate_up, down)
+    gm = fuse_mlp(gm, ON)
+    (call,) = calls(gm)
+    assert [n.target for n in call.args[1:3]] == [torch.narrow, torch.narrow]
+    assert [n.args[1:] for n in call.args[1:3]] == [(0, 0, I), (0, I, I)]
+    assert not calls(gm, torch.split) and not calls(gm, torch._C._nn.linear)
+    (got,) = gm(x, gate_up, down)
+    assert torch.equal(got, fused_mlp_reference(x.reshape(4, H), gate, up, down).reshape(1, 4, H))
+
+
+def _gelu(x, gate, up, down):
+    return F.linear(F.gelu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def _gate_bias(x, gate, up, down):
+    return F.linear(F.silu(F.linear(x, gate, torch.ones(I, dtype=x.dtype))) * F.linear(x, up), down)
+
+
+def _silu_reused(x, gate, up, down):
+    a = F.silu(F.linear(x, gate))
+    return F.linear(a * F.linear(x, up), down), a
+
+
+def _two_inputs(x, gate, up, down):
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x * 2, up), down)
+
+
+def _unequal_split(x, gate_up, down):
+    g, u = torch.split(F.linear(x, gate_up), [I - 8, I + 8], dim=-1)
+    return F.linear(F.silu(g[..., : I - 8]) * u[..., : I - 8], down[:, : I - 8])
+
+
+@pytest.mark.parametrize("fn", [_gelu, _gate_bias, _silu_reused, _two_inputs], ids=lambda f: f.__name__)
+def test_other_patterns_are_left_alone(cpu_counts, fn):
+    gate, up, down = weights()
+    x = rows(4)
+    gm = capture(fn, x, gate, up, down)
+    before = [n.target for n in gm.graph.nodes]
+    gm = fuse_mlp(gm, ON)
+    assert not calls(gm) and [n.target for n in gm.graph.nodes] == before
+
+
+def test_unequal_split_is_left_alone(cpu_counts):
+    gate, up, down = weights()
+    gm = fuse_mlp(capture(_unequal_split, rows(4), torch.cat([gate, up]), down), ON)
+    assert not calls(gm)
+
+
+def test_rows_dtype_device_and_binding_rules(cpu_counts, monkeypatch):
+    gate, up, down = weights()
+    assert not calls(fuse_mlp(capture(separate, rows(17), gate, up, down), ON))  # past 16 rows
+    w32 = [w.float() for w in (gate, up, down)]
+    assert not calls(fuse_mlp(capture(separate, rows(4, torch.float32), *w32), ON))  # float32: HF's own GEMMs
+    assert not calls(fuse_mlp(capture(separate, rows(4), gate, up, down), OFF))
+    assert not calls(fuse_mlp(capture(separate, rows(4), gate, up, down), SimpleNamespace()))
+    monkeypatch.setattr(fuse_module, "_DEVICE_TYPES", ("cuda",))
+    assert not calls(fuse_mlp(capture(separate, rows(4), gate, up, down), ON))  # CPU tensors: the op's reference
+
+
+def test_unmeasured_shapes_wait_for_the_table_or_the_switch(cpu_counts, monkeypatch):
+    gate, up, down = weights()
+    mlp_op._MEASURED.clear()
+    assert not calls(fuse_mlp(capture(separate, rows(4), gate, up, down), ON))
+    mlp_op._MEASURED[(4, H, I)] = (16, 16, 16, 4, 2, 16, 4, 9.9, 10.0)  # within 2% of the chain: unfused
+    assert not calls(fuse_mlp(capture(separate, rows(4), gate, up, down), ON))
+    monkeypatch.setenv(mlp_op.FUSED_MLP_ENV, "1")
+    assert len(calls(fuse_mlp(capture(separate, rows(4), gate, up, down), ON))) == 1
+
+
+def test_a_weight_computed_in_the_graph_is_not_marked_constant(cpu_counts):
+    gate, up, down = weights()
+
+    def scaled(x, gate, up, down):
+        h = F.silu(F.linear(x, gate)) * F.linear(x, up)  # inputs used in order: the graph keeps (x, gate, up, down)
+        return F.linear(h, down * 2)
+
+    x = rows(1)
+    gm = fuse_mlp(capture(scaled, x, gate, up, down), ON)
+    (call,) = calls(gm)
+    assert call.args[4] is False
+    assert torch.equal(gm(x, gate, up, down)[0], fused_mlp_reference(x.reshape(1, H), gate, up, down * 2).reshape(1, 1, H))
+
+
+def test_every_layer_of_a_tiny_llama_is_fused_and_logits_hold(monkeypatch):
+    """Through the treespec backend (eager graph, float16 on CPU, fused projections, 4 rows a forward): each
+    decoder layer's MLP is one fused_mlp call, and the logits match the unfused graph's to float16 rounding."""
+    from test_rewrite_attention import Captured, tiny_model
+
+    import treecompile.passes as passes_pkg
+    from treecompile.target import TargetBinding, TargetRunner, chain_mask
+
+    monkeypatch.setattr(fuse_module, "_DEVICE_TYPES", ("cuda", "cpu"))
+    model = tiny_model("llama", layers=2).to(torch.float16)
+    ids = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for mode in ("0", "1", "1+inductor"):  # Inductor lowers the op with the weight halves as views (no copy)
+        monkeypatch.setenv(mlp_op.FUSED_MLP_ENV, mode[0])
+        binding = TargetBinding(model, max_batch=1, max_seq_len=32, max_rows=4, page_size=8, skinny_linears=True,
+                                fuse_projections=True)  # fmt: skip
+        runner = TargetRunner(model, binding, aux_layers=(0, 1), inductor=mode.endswith("inductor"))
+        captured = Captured()
+        monkeypatch.setattr(passes_pkg, "PASSES", passes_pkg.PASSES + [captured])
+        torch._dynamo.reset()
+        binding.load(torch.zeros(1, dtype=torch.int64), chain_mask(4).expand(1, 4))
+        with torch.no_grad():
+            out = runner(ids, torch.arange(4).expand(1, 4).contiguous())
+        logits[mode] = (out[0] if isinstance(out, tuple) else out).float()
+        monkeypatch.setattr(passes_pkg, "PASSES", [p for p in passes_pkg.PASSES if p is not captured])
+        assert len(calls(captured.graphs[0])) == (0 if mode == "0" else 2)
+    assert torch.isfinite(logits["1"]).all()
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(logits["1+inductor"], logits["1"], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fused_projections", [False, True], ids=["separate", "fused"])
+def test_drafter_mlp_takes_the_op_where_it_applies(monkeypatch, fused_projections):
+    """EagleDrafter.skinny_linears() lets the head's MLP call treespec::fused_mlp where mlp_applies holds (on
+    the GPU: 16-bit CUDA, <= 16 rows, a measured win); gate and up are the halves of the fused weight when the
+    projections are fused. Here mlp_applies is told yes on the CPU, where the op is its reference."""
+    from test_rewrite_attention import tiny_model
+
+    from treecompile import drafter as drafter_module
+    from treecompile.drafter import EagleDrafter
+
+    head = EagleDrafter.for_target(tiny_model("llama"), seed=0).float()
+    if fused_projections:
+        head.fuse_projections()
+    mlp = head.midlayer.mlp
+    assert (mlp.gate_up_weight is not None) == fused_projections
+    x = torch.randn(1, 4, mlp.gate_proj.in_features)
+    want = mlp(x)
+    head.skinny_linears()
+    assert mlp.fused_mlp and mlp.silu
+    assert torch.equal(mlp(x), want)  # on the CPU mlp_applies is False: the unfused path, unchanged
+    seen = []
+    monkeypatch.setattr(drafter_module, "mlp_applies", lambda *a: seen.append(a) or True)
+    got = mlp(x)
+    (args,) = seen
+    assert torch.equal(args[1], mlp.gate_proj.weight) and torch.equal(args[2], mlp.up_proj.weight)
+    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    assert torch.equal(got, fused_mlp_reference(x.reshape(4, -1), *w).reshape(x.shape))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
