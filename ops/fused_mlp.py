@@ -161,7 +161,9 @@ class MlpConfig:
     """Tiles of one launch. The chunk kernel: BLOCK_M rows (>= 16, the MMA's least; rows past M read row 0
     and are dropped), ``chunk`` intermediate features a program (its grid is I / chunk), ``block_k`` of the
     hidden dim a gate/up step, ``block_h`` output features a down step. The reduce kernel: ``reduce_block``
-    output features a program, ``reduce_chunks`` partials summed a step."""
+    output features a program, ``reduce_chunks`` partials summed a step (0: all of them in one step, up to
+    256; its loads are not pipelined, so each step is an L2 round trip: 8B, M = 1: 224 partials, one step of
+    [256, 32] float32 for each of 128 programs)."""
 
     block_m: int = 16
     chunk: int = 64
@@ -169,8 +171,8 @@ class MlpConfig:
     block_h: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    reduce_block: int = 128
-    reduce_chunks: int = 16
+    reduce_block: int = 32
+    reduce_chunks: int = 0
 
 
 def _pow2(name: str, value: int, least: int) -> None:
@@ -184,8 +186,9 @@ def _check_config(cfg: MlpConfig, M: int) -> None:
         raise ValueError(f"config: block_m={cfg.block_m} must cover x's M={M}")
     for name in ("chunk", "block_k", "block_h"):
         _pow2(name, getattr(cfg, name), 16)
-    for name in ("reduce_block", "reduce_chunks"):
-        _pow2(name, getattr(cfg, name), 1)
+    _pow2("reduce_block", cfg.reduce_block, 1)
+    if cfg.reduce_chunks:
+        _pow2("reduce_chunks", cfg.reduce_chunks, 1)
     if cfg.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"config: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
     if not 1 <= cfg.num_stages <= 8:
@@ -273,8 +276,9 @@ def _launch_fused_mlp(x, gate, up, down, out, config: MlpConfig | None = None) -
         USE_PDL=pdl, BLOCK_M=cfg.block_m, CHUNK=cfg.chunk, BLOCK_K=cfg.block_k, BLOCK_H=cfg.block_h,
         STAGES=cfg.num_stages, num_warps=cfg.num_warps, **extra,
     )  # fmt: skip
+    step = cfg.reduce_chunks or min(256, triton.next_power_of_2(chunks))
     _mlp_reduce_kernel[(triton.cdiv(H, cfg.reduce_block), M)](
-        ws, out, M, H, chunks, out.stride(0), USE_PDL=pdl, BLOCK=cfg.reduce_block, CHUNKS=cfg.reduce_chunks,
+        ws, out, M, H, chunks, out.stride(0), USE_PDL=pdl, BLOCK=cfg.reduce_block, CHUNKS=step,
         num_warps=4, **extra,
     )  # fmt: skip
 

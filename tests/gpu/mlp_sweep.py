@@ -86,7 +86,7 @@ def chain(x, gate_up, down, linear):
 def grid(mode: str, H: int, I: int) -> list[MlpConfig]:
     """Tile configs of one shape (the default first); tiles no wider than the dims they cover."""
     if mode == "smoke":
-        return [MlpConfig(16, 16, 16, 16, 4, 2, 8, 4), MlpConfig(16, 32, 32, 16, 4, 3, 16, 8)]
+        return [MlpConfig(16, 16, 16, 16, 4, 2, 8, 4), MlpConfig(16, 32, 32, 16, 4, 3, 16, 0)]
     chunks, block_ks, block_hs, warps, stages = (32, 64, 128), (128, 256), (64, 128), (4, 8), (3,)
     if mode == "quick":
         chunks, block_ks, block_hs, warps = (32, 64), (128, 256), (128,), (4, 8)
@@ -96,9 +96,11 @@ def grid(mode: str, H: int, I: int) -> list[MlpConfig]:
     for c, bk, bh, w, st in itertools.product(chunks, block_ks, block_hs, warps, stages):
         if c <= max(16, 1 << (I - 1).bit_length()) and max(bk, bh) <= max(16, 1 << (H - 1).bit_length()):
             out.append(MlpConfig(16, c, bk, bh, w, st))
-    if mode != "full":  # the pipeline depth, around the default tiles
+    if mode != "full":  # the pipeline depth and the reduce's width, around the default tiles
         base = choose_mlp_config(1, H, I)
         out += [MlpConfig(16, base.chunk, base.block_k, base.block_h, base.num_warps, st) for st in (2, 4)]
+        out += [MlpConfig(16, base.chunk, base.block_k, base.block_h, base.num_warps, base.num_stages, rb)
+                for rb in (16, 64)]  # fmt: skip
     return out
 
 
@@ -160,7 +162,7 @@ def main() -> None:
             f"{label:9s} M={M:2d} floor {row['floor_us']:7.2f} us | cuBLAS chain {row['cublas_us']:7.2f} | shipped chain "
             f"{row['unfused_us']:7.2f} | fused default {configs[0].get('us', float('nan')):7.2f} | best "
             f"{best['us'] if best else float('nan'):7.2f} "
-            f"{ {k: best[k] for k in ('chunk', 'block_k', 'block_h', 'num_warps', 'num_stages')} if best else ''} | "
+            f"{ {k: best[k] for k in ('chunk', 'block_k', 'block_h', 'num_warps', 'num_stages', 'reduce_block')} if best else ''} | "
             f"{sum('error' in c for c in configs)} of {len(configs)} configs failed | {time.time() - t0:.0f} s",
             flush=True,
         )  # fmt: skip

@@ -52,6 +52,7 @@ SMALL = dict(chunk=16, block_k=16, block_h=16, reduce_block=8, reduce_chunks=4)
         (16, 48, 96, SMALL),  # a full 16-row tile; 6 partials: the reduce's last step is partial
         (5, 40, 33, dict(SMALL, chunk=32)),  # one feature in the last slice
         (2, 17, 16, dict(SMALL, reduce_chunks=1, reduce_block=1)),  # one partial and one output a step
+        (1, 16, 4200, dict(SMALL, reduce_chunks=0)),  # 263 partials: the automatic step (256) twice
     ],
 )
 def test_matches_float64_gated_mlp(dtype, M, H, I, tiles):
