@@ -24,6 +24,16 @@ Numerics follow the unfused graph: g and u are rounded to x's dtype (the fused g
 product ``silu(g) * u`` is computed in float32 and rounded to x's dtype (Inductor's silu-mul kernel), and the
 down projection accumulates in float32 and rounds once. Only the summation order differs.
 
+An optional RMSNorm prologue (``norm_weight``, and ``residual`` for the residual add before it) folds the norm
+that precedes a decoder layer's MLP into the same stream: the MLP's input is ``rmsnorm(x + residual) *
+norm_weight`` (HF ``LlamaRMSNorm``). No program needs the normalised row before its first step: since the
+norm's scale ``r = rsqrt(mean(s^2) + eps)`` is one number a row, ``gate(norm_weight * s * r) = r * gate(
+norm_weight * s)``, so each program feeds ``norm_weight * s`` to the MMA, sums ``s^2`` over the same steps,
+and scales its gate / up accumulators by ``r`` at the end. That drops the norm's own launch (~2.3 us a layer
+at 8B decode). Rounding differs from HF's at one point: HF rounds ``s * r`` and then ``norm_weight * (s *
+r)`` to x's dtype, the kernel rounds ``norm_weight * s`` (bfloat16: ~2^-8 relative, as any fusion of the
+norm does); the reference below is HF's.
+
 Whether it wins, and with which tiles, is for ``tests/gpu/mlp_sweep.py`` to measure on cold weights against
 the cuBLAS chain. Until a shape has a measured entry (``measured_mlp_tiles``) it stays on the unfused path;
 ``TREECOMPILE_FUSED_MLP=1`` runs it for every qualifying shape with the default tiles (A/B runs).
@@ -35,6 +45,10 @@ gate    [I, H]  x's dtype, last dim contiguous (a ``gate_proj`` weight, or rows 
 up      [I, H]  x's dtype, last dim contiguous
 down    [H, I]  x's dtype, last dim contiguous
 out     [M, H]  x's dtype
+norm_weight [H] or None  x's dtype, any stride: with it, the MLP's input is rmsnorm(x (+ residual)) * norm_weight
+residual    [M, H] or None  x's dtype, last dim contiguous; only with norm_weight (added before the norm, rounded
+        to x's dtype as HF's residual add rounds)
+eps     float >= 0: the norm's epsilon
 constant_weight  bool: the weights are parameters, never written by the kernel before this one (kept for the
         callers' symmetry with ``skinny_linear``; the kernel waits for the previous one before any load).
 
@@ -72,24 +86,30 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @torch.library.custom_op("treespec::fused_mlp", mutates_args=())
 def fused_mlp(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, constant_weight: bool = False
-) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` for ``x [M <= 16, H]`` (see the module docstring)."""
-    _check_inputs(x, gate, up, down)
-    if use_triton(x, gate, up, down):
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, constant_weight: bool = False,
+    norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """``down(silu(gate(x)) * up(x))`` for ``x [M <= 16, H]``, x first normalised when ``norm_weight`` is given
+    (see the module docstring)."""
+    _check_inputs(x, gate, up, down, norm_weight, residual, eps)
+    norm = () if norm_weight is None else (norm_weight,) + (() if residual is None else (residual,))
+    if use_triton(x, gate, up, down, *norm):
         out = x.new_empty(x.shape)
-        _launch_fused_mlp(x, gate, up, down, out)
+        _launch_fused_mlp(x, gate, up, down, out, norm_weight=norm_weight, residual=residual, eps=eps)
         return out
-    return fused_mlp_reference(x, gate, up, down)
+    return fused_mlp_reference(x, gate, up, down, norm_weight, residual, eps)
 
 
 @fused_mlp.register_fake
-def _(x, gate, up, down, constant_weight=False):
-    _check_inputs(x, gate, up, down)
+def _(x, gate, up, down, constant_weight=False, norm_weight=None, residual=None, eps=0.0):
+    _check_inputs(x, gate, up, down, norm_weight, residual, eps)
     return x.new_empty(x.shape)
 
 
-def _check_inputs(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+def _check_inputs(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+    norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
+) -> None:  # fmt: skip
     check_dim("x", x, 2, "[M, H]")
     check_dim("gate", gate, 2, "[I, H]")
     check_dim("up", up, 2, "[I, H]")
@@ -107,10 +127,26 @@ def _check_inputs(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: t
         raise ValueError(f"gate, up: expected [I, H={H}] each with one I, got {tuple(gate.shape)} and {tuple(up.shape)}")
     if tuple(down.shape) != (H, I):
         raise ValueError(f"down: expected [H={H}, I={I}], got {tuple(down.shape)}")
-    for name, t in (("x", x), ("gate", gate), ("up", up), ("down", down)):
-        if t.shape[1] > 1 and t.stride(1) != 1:
+    devices = dict(x=x, gate=gate, up=up, down=down)
+    if residual is not None and norm_weight is None:
+        raise ValueError("residual: only with norm_weight (the residual add before the norm)")
+    if norm_weight is not None:
+        check_dim("norm_weight", norm_weight, 1, "[H]")
+        check_dtype("norm_weight", norm_weight, x.dtype)
+        if norm_weight.shape[0] != H:
+            raise ValueError(f"norm_weight: expected [H={H}], got {tuple(norm_weight.shape)}")
+        if not (eps >= 0.0 and eps < float("inf")):
+            raise ValueError(f"eps: the norm's epsilon must be finite and >= 0, got {eps}")
+        devices["norm_weight"] = norm_weight
+    if residual is not None:
+        check_dtype("residual", residual, x.dtype)
+        if tuple(residual.shape) != (M, H):
+            raise ValueError(f"residual: expected x's shape [M={M}, H={H}], got {tuple(residual.shape)}")
+        devices["residual"] = residual
+    for name, t in (("x", x), ("gate", gate), ("up", up), ("down", down), ("residual", residual)):
+        if t is not None and t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{name}: the last dim must have stride 1, got strides {tuple(t.stride())}")
-    check_same_device(x=x, gate=gate, up=up, down=down)
+    check_same_device(**devices)
 
 
 def fused_mlp_wanted() -> bool:
@@ -258,7 +294,9 @@ def measured_mlp_tiles(M: int, H: int, I: int) -> MlpConfig | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _launch_fused_mlp(x, gate, up, down, out, config: MlpConfig | None = None) -> None:
+def _launch_fused_mlp(
+    x, gate, up, down, out, config: MlpConfig | None = None, norm_weight=None, residual=None, eps: float = 0.0
+) -> None:  # fmt: skip
     """Both kernels of one call: the chunk kernel writes ``ws [I / chunk, M, H]`` float32, the reduce kernel
     sums it into ``out``. Under PDL (Hopper) each waits for the kernel before it, then lets the next launch."""
     M, H = x.shape
@@ -270,9 +308,12 @@ def _launch_fused_mlp(x, gate, up, down, out, config: MlpConfig | None = None) -
     pdl = pdl_enabled(x.device) and x.device.type == "cuda"
     extra = dict(launch_pdl=True) if pdl else {}
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    norm = norm_weight is not None
     _mlp_chunk_kernel[(chunks,)](
-        x, gate, up, down, ws, M, H, I, x.stride(0), gate.stride(0), up.stride(0), down.stride(0),
-        EVEN_H=H % cfg.block_k == 0, EVEN_I=I % cfg.chunk == 0, EVEN_OUT=H % cfg.block_h == 0, PREC=prec,
+        x, gate, up, down, ws, norm_weight if norm else x, residual if residual is not None else x, float(eps),
+        M, H, I, x.stride(0), gate.stride(0), up.stride(0), down.stride(0),
+        norm_weight.stride(0) if norm else 0, residual.stride(0) if residual is not None else 0,
+        NORM=norm, HAS_RESIDUAL=residual is not None, EVEN_H=H % cfg.block_k == 0, EVEN_I=I % cfg.chunk == 0, EVEN_OUT=H % cfg.block_h == 0, PREC=prec,
         USE_PDL=pdl, BLOCK_M=cfg.block_m, CHUNK=cfg.chunk, BLOCK_K=cfg.block_k, BLOCK_H=cfg.block_h,
         STAGES=cfg.num_stages, num_warps=cfg.num_warps, **extra,
     )  # fmt: skip
@@ -287,15 +328,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _mlp_chunk_kernel(
-        x, wg, wu, wd, ws, M, H, I, s_xm, s_wg, s_wu, s_wd,
-        EVEN_H: tl.constexpr, EVEN_I: tl.constexpr, EVEN_OUT: tl.constexpr, PREC: tl.constexpr,
+        x, wg, wu, wd, ws, nw, res, eps, M, H, I, s_xm, s_wg, s_wu, s_wd, s_nw, s_rm,
+        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr, EVEN_OUT: tl.constexpr, PREC: tl.constexpr,
         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         """Program c: intermediate features j = [c * CHUNK, +CHUNK). Gate and up rows j stream over H in
         BLOCK_K steps into two [BLOCK_M, CHUNK] float32 accumulators; h = silu(g) * u (rounded as the
         unfused path rounds); then the down projection's columns j stream over the H outputs in BLOCK_H
-        steps, each step's [BLOCK_M, BLOCK_H] product stored to this program's partial ws[c] (float32)."""
+        steps, each step's [BLOCK_M, BLOCK_H] product stored to this program's partial ws[c] (float32).
+
+        NORM: the x tile of a step is s = x (+ residual, rounded to x's dtype), fed as norm_weight * s; the
+        row's sum of s^2 accumulates over the same steps, and the gate / up accumulators are scaled by
+        rsqrt(mean(s^2) + eps) after the loop (the module docstring's identity)."""
         c = tl.program_id(0)
         rj = c * CHUNK + tl.arange(0, CHUNK)
         rm = tl.arange(0, BLOCK_M)
@@ -305,30 +350,52 @@ if HAS_TRITON:
         # Rows past M / I read row 0 (in bounds) instead of a masked load: the hot loops carry only their
         # own tail mask, and padded rows are dropped at the store (a padded feature j's h is zeroed below).
         rj_in = tl.where(j_ok, rj, 0).to(tl.int64)
-        x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + rk[None, :]
+        rm_in = tl.where(m_ok, rm, 0).to(tl.int64)
+        x_ptrs = x + rm_in[:, None] * s_xm + rk[None, :]
+        r_ptrs = res + rm_in[:, None] * s_rm + rk[None, :]
+        n_ptrs = nw + rk * s_nw
         g_ptrs = wg + rj_in[:, None] * s_wg + rk[None, :]
         u_ptrs = wu + rj_in[:, None] * s_wu + rk[None, :]
         if USE_PDL:  # TREECOMPILE_PDL: wait for the previous kernel (x is its output), then let the next launch
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        dtype = x.dtype.element_ty
         acc_g = tl.zeros((BLOCK_M, CHUNK), tl.float32)
         acc_u = tl.zeros((BLOCK_M, CHUNK), tl.float32)
+        sum_sq = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             if EVEN_H:
                 xt = tl.load(x_ptrs)
                 gt = tl.load(g_ptrs)
                 ut = tl.load(u_ptrs)
+                if HAS_RESIDUAL:
+                    xt = (xt.to(tl.float32) + tl.load(r_ptrs).to(tl.float32)).to(dtype)
+                if NORM:
+                    nt = tl.load(n_ptrs).to(tl.float32)
             else:
                 k_ok = (k0 + rk) < H
                 xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
                 gt = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
                 ut = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
+                if HAS_RESIDUAL:
+                    xt = (xt.to(tl.float32) + tl.load(r_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)).to(dtype)
+                if NORM:
+                    nt = tl.load(n_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            if NORM:
+                sf = xt.to(tl.float32)
+                sum_sq += tl.sum(sf * sf, axis=1)
+                xt = (sf * nt[None, :]).to(dtype)
             acc_g = tl.dot(xt, tl.trans(gt), acc_g, input_precision=PREC)
             acc_u = tl.dot(xt, tl.trans(ut), acc_u, input_precision=PREC)
             x_ptrs += BLOCK_K
+            r_ptrs += BLOCK_K
+            n_ptrs += BLOCK_K * s_nw
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        dtype = x.dtype.element_ty
+        if NORM:
+            scale = tl.rsqrt(sum_sq / H + eps)[:, None]  # [BLOCK_M, 1]: the row's norm, applied after the sums
+            acc_g *= scale
+            acc_u *= scale
         g = acc_g.to(dtype).to(tl.float32)  # the gate/up GEMM's output dtype
         u = acc_u.to(dtype).to(tl.float32)
         h = (g / (1.0 + tl.exp(-g)) * u).to(dtype)  # silu(g) * u, one rounding (Inductor's silu-mul)
@@ -377,10 +444,18 @@ if HAS_TRITON:
 # --------------------------------------------------------------------------------------------------
 
 
-def fused_mlp_reference(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def fused_mlp_reference(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+    norm_weight: torch.Tensor | None = None, residual: torch.Tensor | None = None, eps: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
     """The CPU path and the test oracle: the unfused MLP, rounded as the fused kernel rounds (g and u to x's
-    dtype, ``silu(g) * u`` computed in float32 or wider and rounded once)."""
-    g, u = F.linear(x, gate), F.linear(x, up)
+    dtype, ``silu(g) * u`` computed in float32 or wider and rounded once); with ``norm_weight``, first HF's
+    ``LlamaRMSNorm`` of ``x (+ residual)``."""
     wide = torch.promote_types(x.dtype, torch.float32)
+    if norm_weight is not None:
+        s = x if residual is None else x + residual
+        s = s.to(wide)
+        x = norm_weight * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    g, u = F.linear(x, gate), F.linear(x, up)
     h = (F.silu(g.to(wide)) * u.to(wide)).to(x.dtype)
     return F.linear(h, down)

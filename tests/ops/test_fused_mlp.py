@@ -29,15 +29,23 @@ def _inputs(M, H, I, dtype, seed=0):
     return x, gate, up, down
 
 
-def _float64(x, gate, up, down):
+def _float64(x, gate, up, down, norm_weight=None, residual=None, eps=0.0):
     x, gate, up, down = (t.double() for t in (x, gate, up, down))
+    if norm_weight is not None:  # HF LlamaRMSNorm of x (+ residual), in float64
+        s = x if residual is None else x + residual.double()
+        x = norm_weight.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def _check(out, x, gate, up, down):
+def _check(out, x, gate, up, down, norm_weight=None, residual=None, eps=0.0):
     assert not out.isnan().any(), "unwritten output elements"
     tol = 1e-5 if x.dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), _float64(x, gate, up, down), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), _float64(x, gate, up, down, norm_weight, residual, eps), rtol=tol, atol=tol)
+
+
+def _norm_inputs(M, H, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (1 + 0.2 * torch.randn(H, generator=g)).to(dtype), torch.randn(M, H, generator=g).to(dtype)
 
 
 SMALL = dict(chunk=16, block_k=16, block_h=16, reduce_block=8, reduce_chunks=4)
@@ -60,6 +68,39 @@ def test_matches_float64_gated_mlp(dtype, M, H, I, tiles):
     out = poisoned((M, H), dtype)
     _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **tiles))
     _check(out, x, gate, up, down)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "residual+norm"])
+@pytest.mark.parametrize("M,H,I,tiles", [(1, 64, 128, {}), (3, 50, 70, SMALL), (16, 48, 96, SMALL)])
+def test_norm_prologue_matches_float64(dtype, with_residual, M, H, I, tiles):
+    """With norm_weight the MLP's input is rmsnorm(x (+ residual)) * norm_weight (HF LlamaRMSNorm): the row's
+    norm summed over the same steps that feed the MMA, applied to the gate / up sums after the loop; a tail
+    step (H past the last tile) adds nothing to the sum of squares."""
+    x, gate, up, down = _inputs(M, H, I, dtype, seed=M + 7 * H)
+    norm_weight, residual = _norm_inputs(M, H, dtype, seed=M)
+    residual = residual if with_residual else None
+    out = poisoned((M, H), dtype)
+    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **tiles), norm_weight, residual, 1e-5)
+    _check(out, x, gate, up, down, norm_weight, residual, 1e-5)
+    if dtype == torch.float16:  # against HF's rounding (norm_weight * round(s * r)): one float16 rounding apart
+        want = fused_mlp_reference(x, gate, up, down, norm_weight, residual, 1e-5).float()
+        torch.testing.assert_close(out.float(), want, rtol=4e-3, atol=4e-3)
+
+
+def test_norm_weight_of_any_stride_and_eps_matter():
+    """norm_weight may be a strided view (a column of a table); eps enters the scale (a row of zeros plus a
+    large eps is not a division by zero)."""
+    M, H, I = 2, 32, 48
+    x, gate, up, down = _inputs(M, H, I, torch.float32, seed=11)
+    x[1] = 0.0
+    table = torch.randn(H, 3)
+    norm_weight = table[:, 1]
+    assert norm_weight.stride(0) == 3
+    for eps in (1e-6, 0.5):
+        out = poisoned((M, H), torch.float32)
+        _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **SMALL), norm_weight, None, eps)
+        _check(out, x, gate, up, down, norm_weight, None, eps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -96,6 +137,10 @@ def test_op_on_cpu_is_the_reference_and_its_fake_agrees():
     out = torch.ops.treespec.fused_mlp(x, gate, up, down)
     assert torch.equal(out, fused_mlp_reference(x, gate, up, down))
     torch.library.opcheck(torch.ops.treespec.fused_mlp.default, (x, gate, up, down, True))
+    norm_weight, residual = _norm_inputs(2, 32, torch.float32, seed=5)
+    out = torch.ops.treespec.fused_mlp(x, gate, up, down, True, norm_weight, residual, 1e-6)
+    assert torch.equal(out, fused_mlp_reference(x, gate, up, down, norm_weight, residual, 1e-6))
+    torch.library.opcheck(torch.ops.treespec.fused_mlp.default, (x, gate, up, down, True, norm_weight, residual, 1e-6))
     with torch._subclasses.FakeTensorMode() as mode:
         fake = torch.ops.treespec.fused_mlp(*(mode.from_tensor(t) for t in (x, gate, up, down)))
     assert fake.shape == (2, 32) and fake.dtype == torch.float32
@@ -123,6 +168,15 @@ def test_mlp_rows_is_the_unfused_mlp_off_cuda():
         (dict(down=torch.zeros(48, 32).t()), r"down: the last dim must have stride 1"),
         (dict(x=torch.zeros(32, 2).t()), r"x: the last dim must have stride 1"),
         (dict(gate=torch.zeros(48, 32, device="meta")), r"all tensors must be on one device"),
+        (dict(residual=torch.zeros(2, 32)), r"residual: only with norm_weight"),
+        (dict(norm_weight=torch.zeros(31)), r"norm_weight: expected \[H=32\]"),
+        (dict(norm_weight=torch.zeros(1, 32)), r"norm_weight: expected a 1-d tensor \[H\]"),
+        (dict(norm_weight=torch.zeros(32, dtype=torch.float16)), r"norm_weight: expected dtype torch.float32"),
+        (dict(norm_weight=torch.zeros(32), eps=-1e-6), r"eps: the norm's epsilon must be finite and >= 0"),
+        (dict(norm_weight=torch.zeros(32), eps=float("nan")), r"eps: the norm's epsilon must be finite"),
+        (dict(norm_weight=torch.zeros(32), residual=torch.zeros(3, 32)), r"residual: expected x's shape \[M=2, H=32\]"),
+        (dict(norm_weight=torch.zeros(32), residual=torch.zeros(32, 2).t()), r"residual: the last dim must have stride 1"),
+        (dict(norm_weight=torch.zeros(32, device="meta")), r"all tensors must be on one device"),
     ],
 )
 def test_bad_inputs_are_refused_by_name(change, match):

@@ -64,12 +64,14 @@ def _cases() -> dict:
         cases[f"skinny-gemv-split{split_k}-{'prefetch' if prefetch else 'wait'}{'-l2' if l2 else ''}"] = (
             "skinny_linear", "_skinny_gemv_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 3,
         )  # fmt: skip
-    mlp_types = dict(x="*bf16", wg="*bf16", wu="*bf16", wd="*bf16", ws="*fp32")
-    for even, pdl in ((True, True), (False, False)):  # the 8B decode's MLP (H 4096, I 14336), default tiles
-        const = dict(EVEN_H=even, EVEN_I=even, EVEN_OUT=even, PREC="tf32", USE_PDL=pdl, BLOCK_M=16, CHUNK=64,
-                     BLOCK_K=128, BLOCK_H=128, STAGES=3)  # fmt: skip
+    mlp_types = dict(x="*bf16", wg="*bf16", wu="*bf16", wd="*bf16", ws="*fp32", nw="*bf16", res="*bf16", eps="fp32")
+    # the 8B decode's MLP (H 4096, I 14336) at the default tiles: with the residual + RMSNorm prologue and
+    # every dim a multiple of its tile; plain, with every tail mask
+    for even, pdl, norm in ((True, True, True), (False, False, False)):
+        const = dict(NORM=norm, HAS_RESIDUAL=norm, EVEN_H=even, EVEN_I=even, EVEN_OUT=even, PREC="tf32", USE_PDL=pdl,
+                     BLOCK_M=16, CHUNK=64, BLOCK_K=128, BLOCK_H=128, STAGES=3)  # fmt: skip
         cases[f"mlp-chunk-{'even' if even else 'tails'}"] = (
-            "fused_mlp", "_mlp_chunk_kernel", const, mlp_types, ("M",), 4, 3,
+            "fused_mlp", "_mlp_chunk_kernel", const, mlp_types, ("M", "s_nw", "s_rm"), 4, 3,
         )  # fmt: skip
     cases["mlp-reduce"] = (
         "fused_mlp", "_mlp_reduce_kernel", dict(USE_PDL=True, BLOCK=128, CHUNKS=16),
@@ -205,9 +207,10 @@ def test_skinny_gemv_kernel_compiles_with_split_k(report, case):
 
 @pytest.mark.parametrize("tails", ["even", "tails"])
 def test_fused_mlp_chunk_kernel_compiles_with_both_loops_pipelined(report, tails):
-    """The fused MLP's chunk kernel at the 8B decode's default tiles: the gate/up loop's three tile loads (x,
-    gate, up) and the down loop's tile load are async copies, so each weight streams while the previous tile
-    is in the tensor cores; its shared memory fits a Hopper SM (227 KB) with room for a second program."""
+    """The fused MLP's chunk kernel at the 8B decode's default tiles ("even": with the residual + RMSNorm
+    prologue): the gate/up loop's tile loads (x, gate, up; the residual and norm weight with the prologue) and
+    the down loop's tile load are async copies, so each weight streams while the previous tile is in the
+    tensor cores; its shared memory fits a Hopper SM (227 KB) with room for a second program."""
     entry = _entry(report, f"mlp-chunk-{tails}")
     assert entry["async_copies"] >= 4, f"a loop's weight loads are not async copies: {entry}"
     assert 0 < entry["shared_bytes"] <= 113 * 1024, entry["shared_bytes"]
