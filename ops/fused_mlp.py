@@ -71,7 +71,7 @@ if HAS_TRITON:
 
 __all__ = [
     "fused_mlp", "fused_mlp_reference", "mlp_rows", "MlpConfig", "choose_mlp_config", "measured_mlp_tiles",
-    "register_mlp_tiles", "fused_mlp_wanted", "MAX_ROWS", "FUSED_MLP_ENV",
+    "register_mlp_tiles", "fused_mlp_wanted", "fold_norm_wanted", "MAX_ROWS", "FUSED_MLP_ENV", "FUSED_MLP_NORM_ENV",
 ]
 
 MAX_ROWS = 16  # one 16-row MMA tile; the workspace grows with M (I / CHUNK x M x H float32)
@@ -155,6 +155,18 @@ def fused_mlp_wanted() -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{FUSED_MLP_ENV}: expected 0 or 1, got {value!r}")
     return value == "1"
+
+
+FUSED_MLP_NORM_ENV = "TREECOMPILE_FUSED_MLP_NORM"
+
+
+def fold_norm_wanted() -> bool:
+    """Whether callers of the fused MLP fold the RMSNorm (and residual add) before it into the op: yes unless
+    ``TREECOMPILE_FUSED_MLP_NORM=0`` (A/B runs)."""
+    value = os.environ.get(FUSED_MLP_NORM_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_MLP_NORM_ENV}: expected 0 or 1, got {value!r}")
+    return value != "0"
 
 
 def mlp_applies(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -256,10 +268,14 @@ WIN_MARGIN = 0.98  # the fused MLP must be >= 2% faster than the chain (the swee
 def register_mlp_tiles(rows) -> int:
     """Add sweep results (the dicts ``tests/gpu/mlp_sweep.py`` writes: ``M, H, I, unfused_us`` and ``best``
     with the ``MlpConfig`` fields and ``us``) to the measured table; later rows replace earlier ones of the
-    same (M, H, I). Returns how many were added."""
+    same (M, H, I). A row that also timed the layer's residual add + RMSNorm in front (``unfused_norm_us`` and
+    ``best_norm``) is judged by that pair: a round's MLPs (the target's, the head's) have the norm there and the
+    op takes it in. Returns how many were added."""
     added = 0
     for r in rows:
         best = r.get("best")
+        if r.get("best_norm") and r.get("unfused_norm_us") is not None:
+            best, r = r["best_norm"], dict(r, unfused_us=r["unfused_norm_us"])
         if not best:
             continue
         M, H, I = int(r["M"]), int(r["H"]), int(r["I"])

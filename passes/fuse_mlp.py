@@ -9,7 +9,12 @@ HF ``LlamaMLP`` pattern (Llama, Qwen2, Qwen3, Mistral) as Dynamo records it, in 
     y = linear(silu(g) * u, down_w)
 
 and rewrites it to ``fused_mlp(x.reshape(M, H), gate_w, up_w, down_w).reshape(*lead, H)``, the fused layout's
-halves passed as ``narrow`` views (no copy). It applies where the input is a 16-bit CUDA tensor of 1..16 rows
+halves passed as ``narrow`` views (no copy). When x is HF's ``LlamaRMSNorm`` of ``s`` (``s.to(float32)``, ``pow(2)
+.mean(-1, keepdim=True)``, ``+ eps``, ``rsqrt``, the product cast back, times the norm's weight) and every value
+of the norm has no user outside it, the norm goes into the op too (its RMSNorm prologue: one launch fewer a
+layer); when ``s`` is a residual add ``a + b``, the op takes ``a`` and ``b`` and the add stays in the graph for
+its other users (the layer's closing residual add, where Inductor fuses it). ``TREECOMPILE_FUSED_MLP_NORM=0``
+leaves the norm out (A/B runs). It applies where the input is a 16-bit CUDA tensor of 1..16 rows
 (static leading dims), no projection has a bias, every intermediate value has no other user, and the shape
 has a measured win in ``ops/fused_mlp.py``'s table (or ``TREECOMPILE_FUSED_MLP=1`` asks for every
 qualifying shape). Anything else is left exactly as it was. Why one call, and what it was measured against:
@@ -27,6 +32,7 @@ import torch.fx
 
 from treecompile.ops import fused_mlp as mlp_op
 
+from .fuse_projections import _LINEAR as _LINEAR_TARGETS
 from .fuse_projections import _linear_args
 
 logger = logging.getLogger(__name__)
@@ -36,6 +42,9 @@ _DEVICE_TYPES = ("cuda",)  # the op's Triton path (tests on a CPU-only machine a
 _SILU = {torch.nn.functional.silu, torch.ops.aten.silu.default}
 _MUL = {operator.mul, torch.mul, torch.ops.aten.mul.Tensor}
 _SPLIT = {torch.split, torch.functional.split}
+_ADD = {operator.add, torch.add}
+_RSQRT = {torch.rsqrt, torch.ops.aten.rsqrt.default}
+NORM_ENV = mlp_op.FUSED_MLP_NORM_ENV
 
 
 def _value(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
@@ -104,6 +113,58 @@ def _projections(gm, g, u):
     return proj[0], None, None, [g, u, split, fused], (proj[1], half)
 
 
+def _call(node, targets, nargs=None) -> bool:
+    ok = isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+    return ok and (nargs is None or len(node.args) == nargs)
+
+
+def _method(node, name: str) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name
+
+
+def _cast_input(node, dtype):
+    """The input of ``input.to(dtype)`` (positional dtype, nothing else), else None."""
+    if not _method(node, "to") or len(node.args) != 2 or node.kwargs or node.args[1] is not dtype:
+        return None
+    return node.args[0]
+
+
+def _rms_norm(gm, x, x_users):
+    """(s, norm weight node, eps, the norm's nodes users-first) when ``x`` is HF's LlamaRMSNorm of ``s`` (module
+    docstring) and the norm's values have no other users (``x`` itself only ``x_users``), else None."""
+    if not _call(x, _MUL, 2) or x.kwargs or set(x.users) != set(x_users):
+        return None
+    a, b = x.args
+    weight, cast = (a, b) if _method(b, "to") else (b, a)
+    w_value = _value(gm, weight)
+    if w_value is None or weight.op not in ("get_attr", "placeholder") or w_value.dim() != 1:
+        return None
+    scaled = _cast_input(cast, w_value.dtype)
+    if scaled is None or not _call(scaled, _MUL, 2) or scaled.kwargs:
+        return None
+    p, q = scaled.args
+    h32, rs = (p, q) if _call(q, _RSQRT, 1) else (q, p)
+    if not _call(rs, _RSQRT, 1):
+        return None
+    var_eps = rs.args[0]
+    if not _call(var_eps, _ADD, 2) or var_eps.kwargs or not isinstance(var_eps.args[1], float):
+        return None
+    var, eps = var_eps.args
+    if not _method(var, "mean") or var.args[1:] not in ((-1,), ()) or var.kwargs not in ({"keepdim": True}, {"dim": -1, "keepdim": True}):
+        return None
+    if len(var.args) == 1 and "dim" not in var.kwargs:
+        return None
+    square = var.args[0]
+    if not _method(square, "pow") or len(square.args) != 2 or square.args[1] != 2 or square.args[0] is not h32:
+        return None
+    s = _cast_input(h32, torch.float32)
+    if s is None or set(h32.users) != {square, scaled}:
+        return None
+    if not all(_sole_user(n, user) for n, user in ((cast, x), (scaled, cast), (rs, scaled), (var_eps, rs), (var, var_eps), (square, var))):
+        return None
+    return s, weight, float(eps), [x, cast, scaled, rs, var_eps, var, square, h32]
+
+
 def _rows(x_value, weights) -> int | None:
     """M when the input and weights qualify (module docstring), else None."""
     if x_value is None or any(w is None for w in weights):
@@ -124,7 +185,7 @@ def fuse_mlp(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
     if not getattr(binding, "skinny_linears", False):
         return gm
     graph = gm.graph
-    count = 0
+    count = normed = 0
     for node in list(graph.nodes):
         down = _plain_linear(node)
         if down is None:
@@ -159,24 +220,50 @@ def fuse_mlp(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
             continue
         if not (mlp_op.fused_mlp_wanted() or mlp_op.measured_mlp_tiles(M, H, I) is not None):
             continue  # unmeasured, or the unfused chain won: cuBLAS keeps it
+        x_users = [n for n in removed if n.op == "call_function" and n.target in _LINEAR_TARGETS]
+        norm = _rms_norm(gm, x, x_users) if mlp_op.fold_norm_wanted() else None
+        norm_args, norm_nodes, src, residual = (), [], x, None
+        if norm is not None:
+            s, norm_w, eps, norm_nodes = norm
+            nw_value = _value(gm, norm_w)
+            parts = s.args if _call(s, _ADD, 2) and not s.kwargs else None
+            values = [_value(gm, t) for t in parts] if parts else []
+            if parts and all(isinstance(t, torch.fx.Node) for t in parts) and all(
+                v is not None and v.shape == x_value.shape and v.dtype == x_value.dtype and v.device == x_value.device
+                for v in values
+            ):  # fmt: skip
+                src, residual = parts  # the residual add goes in too; s stays for its other users
+            else:
+                src = s
+            s_value = _value(gm, src)
+            if nw_value is None or tuple(nw_value.shape) != (H,) or nw_value.dtype != x_value.dtype or s_value is None or (
+                s_value.shape != x_value.shape or s_value.dtype != x_value.dtype
+            ):  # fmt: skip
+                norm, norm_nodes, src, residual = None, [], x, None
+            else:
+                norm_args = (norm_w, residual, eps)
         with graph.inserting_before(node):
-            rows = graph.call_method("reshape", (x, M, H))
+            rows = graph.call_method("reshape", (src, M, H))
+            if residual is not None:
+                residual = graph.call_method("reshape", (residual, M, H))
+                norm_args = (norm_args[0], residual, norm_args[2])
             if fused is not None:  # the two halves of fuse_projections' [2I, H] weight, as views
                 gate_w = graph.call_function(torch.narrow, (fused[0], 0, 0, I))
                 up_w = graph.call_function(torch.narrow, (fused[0], 0, I, I))
             sources = [fused[0]] if fused is not None else [gate_w, up_w]
             constant = all(isinstance(w, torch.fx.Node) and w.op in ("get_attr", "placeholder") for w in [*sources, down_w])
-            out = graph.call_function(torch.ops.treespec.fused_mlp.default, (rows, gate_w, up_w, down_w, constant))
+            out = graph.call_function(torch.ops.treespec.fused_mlp.default, (rows, gate_w, up_w, down_w, constant, *norm_args))
             y = graph.call_method("reshape", (out, *x_value.shape[:-1], H))
         y.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace")})
         for new in (rows, out):
             new.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
         node.replace_all_uses_with(y)
-        for dead in [node, h, act, *removed]:
+        for dead in [node, h, act, *removed, *norm_nodes]:
             graph.erase_node(dead)
         count += 1
+        normed += norm is not None
     if count:
         graph.lint()
         gm.recompile()
-        logger.info("fuse_mlp: %d gated MLP(s) -> treespec::fused_mlp", count)
+        logger.info("fuse_mlp: %d gated MLP(s) -> treespec::fused_mlp (%d with their RMSNorm)", count, normed)
     return gm

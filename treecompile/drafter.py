@@ -38,7 +38,7 @@ from torch import nn
 
 from treecompile.kv_cache import PagedKVCache
 from treecompile.ops.draft_topk import MAX_K as MAX_TOPK
-from treecompile.ops.fused_mlp import mlp_applies
+from treecompile.ops.fused_mlp import fold_norm_wanted, mlp_applies
 from treecompile.registry import Support, TreeSupport
 
 logger = logging.getLogger(__name__)
@@ -143,16 +143,32 @@ class EagleMLP(nn.Module):
         self.linear = nn.functional.linear  # the fused GEMM's function (EagleDrafter.skinny_linears swaps it)
         self.fused_mlp = False  # EagleDrafter.skinny_linears: treespec::fused_mlp where it applies and pays
 
+    def fused(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None):
+        """``treespec::fused_mlp`` of ``x`` (with ``norm``: of ``norm(x + residual)``, the RMSNorm inside the op)
+        when :meth:`EagleDrafter.skinny_linears` turned it on and ``mlp_applies`` holds for these tensors
+        (static metadata: 16-bit CUDA, <= 16 rows, a measured win or ``TREECOMPILE_FUSED_MLP=1``), else None."""
+        if not (self.fused_mlp and self.silu):
+            return None
+        if self.gate_up_weight is not None:
+            gate, up = self.gate_up_weight.chunk(2, dim=0)  # views of the fused [2I, H] weight
+        else:
+            gate, up = self.gate_proj.weight, self.up_proj.weight
+        if not mlp_applies(x, gate, up, self.down_proj.weight):
+            return None
+        H = x.shape[-1]
+        rows = x.reshape(-1, H)
+        if norm is None:
+            out = torch.ops.treespec.fused_mlp(rows, gate, up, self.down_proj.weight, True)
+        else:
+            res = residual.reshape(-1, H) if residual is not None else None
+            out = torch.ops.treespec.fused_mlp(rows, gate, up, self.down_proj.weight, True, norm.weight, res,
+                                               float(norm.variance_epsilon))  # fmt: skip
+        return out.reshape(x.shape)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_mlp and self.silu:
-            if self.gate_up_weight is not None:
-                gate, up = self.gate_up_weight.chunk(2, dim=0)  # views of the fused [2I, H] weight
-            else:
-                gate, up = self.gate_proj.weight, self.up_proj.weight
-            if mlp_applies(x, gate, up, self.down_proj.weight):  # static metadata: 16-bit CUDA, <= 16 rows, measured
-                H = x.shape[-1]
-                out = torch.ops.treespec.fused_mlp(x.reshape(-1, H), gate, up, self.down_proj.weight, True)
-                return out.reshape(x.shape)
+        out = self.fused(x)
+        if out is not None:
+            return out
         if self.gate_up_weight is not None:
             gate, up = self.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:
@@ -176,7 +192,12 @@ class EagleDecoderLayer(nn.Module):
     def forward(self, embeds, hidden, cos, sin, cache, slots, prefix_len, ancestor_mask, window, window_offset=None):
         residual = hidden
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        hidden = residual + self.self_attn(x, cos, sin, cache, slots, prefix_len, ancestor_mask, window, window_offset)
+        attn = self.self_attn(x, cos, sin, cache, slots, prefix_len, ancestor_mask, window, window_offset)
+        if fold_norm_wanted():  # the residual add and post-attention norm inside treespec::fused_mlp, where it runs
+            out = self.mlp.fused(residual, self.post_attention_layernorm, attn)
+            if out is not None:
+                return (residual + attn) + out
+        hidden = residual + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

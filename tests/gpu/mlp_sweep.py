@@ -11,7 +11,10 @@ reports the time per call. Per shape, side by side in one process:
   round runs today, and the baseline a fused entry must beat by 2% (``ops/fused_mlp.py``, ``WIN_MARGIN``);
 - ``floor_us``: the three weights' bytes over the copy bandwidth measured in the same run;
 - the fused op at its default tiles and over a tile grid, each config first checked against a float64 MLP
-  (relative error of the output's norm under 1e-2, no NaN); configs that do not compile are listed as such.
+  (relative error of the output's norm under 1e-2, no NaN); configs that do not compile are listed as such;
+- with the layer's residual add and RMSNorm in front (a round's graph has them there): ``unfused_norm_us``, the
+  chain after Inductor's add + norm kernel, against the fused op's RMSNorm prologue (``norm``: the default and
+  the three best plain configs, same checks).
 
 Shapes: the 8B Llama's MLP (H 4096, I 14336; also the 8B EAGLE-3 head's) at 1 row (decode, draft step 0) and 4
 (draft lanes of K = 4, a batch-4 decode); SmolLM2-135M's (576, 1536) at 1, 4 and 8 rows (decode, draft lanes).
@@ -83,6 +86,24 @@ def chain(x, gate_up, down, linear):
     return linear(F.silu(g) * u, down)
 
 
+def rms_norm(s, weight, eps=1e-5):  # HF LlamaRMSNorm
+    s32 = s.to(torch.float32)
+    return weight * (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(s.dtype)
+
+
+def norm_chain(residual, attn, weight, gate_up, down, linear):
+    return chain(rms_norm(residual + attn, weight), gate_up, down, linear)
+
+
+def float64_mlp(x, gate_up, down, norm=None):
+    x = x.double()
+    if norm is not None:  # (norm weight, residual): HF's RMSNorm of x + residual, in float64
+        s = x + norm[1].double()
+        x = norm[0].double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    g, u = gate_up.double().chunk(2)
+    return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), down.double())
+
+
 def grid(mode: str, H: int, I: int) -> list[MlpConfig]:
     """Tile configs of one shape (the default first); tiles no wider than the dims they cover."""
     if mode == "smoke":
@@ -122,6 +143,7 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
     patches = inductor_patches(torch.device(DEVICE))
     compiled = torch.compile(chain, dynamic=False, options=patches) if DEVICE == "cuda" else chain
+    compiled_norm = torch.compile(norm_chain, dynamic=False, options=patches) if DEVICE == "cuda" else norm_chain
     results = []
     t0 = time.time()
     for M, label, H, I in cases:
@@ -131,16 +153,19 @@ def main() -> None:
         downs = [torch.randn(H, I, device=DEVICE, dtype=DTYPE) / I**0.5 for _ in range(copies)]
         x = torch.randn(M, H, device=DEVICE, dtype=DTYPE)
         outs = [torch.empty(M, H, device=DEVICE, dtype=DTYPE) for _ in range(copies)]
-        g0, u0 = gate_ups[0].double().chunk(2)
-        want = F.linear(F.silu(F.linear(x.double(), g0)) * F.linear(x.double(), u0), downs[0].double())
+        attn = torch.randn(M, H, device=DEVICE, dtype=DTYPE)
+        norm_w = (1 + 0.2 * torch.randn(H, device=DEVICE)).to(DTYPE)
+        want = float64_mlp(x, gate_ups[0], downs[0])
+        want_norm = float64_mlp(x, gate_ups[0], downs[0], (norm_w, attn))
         row = dict(M=M, label=label, H=H, I=I, copies=copies, floor_us=wbytes / bandwidth * 1e6)
         row["cublas_us"] = graph_us(lambda i: compiled(x, gate_ups[i], downs[i], F.linear), copies)
         row["unfused_us"] = graph_us(lambda i: compiled(x, gate_ups[i], downs[i], linear_rows), copies)
         row["unfused_err"] = rel_err(chain(x, gate_ups[0], downs[0], linear_rows), want)
+        row["unfused_norm_us"] = graph_us(lambda i: compiled_norm(x, attn, norm_w, gate_ups[i], downs[i], linear_rows), copies)
+        halves = [gu.chunk(2) for gu in gate_ups]  # gate and up: views of each fused weight
         configs = []
         for cfg in grid(mode, H, I):
             entry = {f: getattr(cfg, f) for f in MlpConfig.__dataclass_fields__}
-            halves = [gu.chunk(2) for gu in gate_ups]
             try:
                 out = torch.full((M, H), float("nan"), device=DEVICE, dtype=DTYPE)
                 _launch_fused_mlp(x, *halves[0], downs[0], out, cfg)
@@ -156,6 +181,24 @@ def main() -> None:
         timed = [c for c in configs if "us" in c]
         row["best"] = min(timed, key=lambda c: c["us"]) if timed else None
         row["configs"] = configs
+        row["norm"] = []  # the RMSNorm prologue (x + attn, normalised): the default and the 3 best plain configs
+        for entry in [configs[0]] + sorted(timed, key=lambda c: c["us"])[:3]:
+            cfg = MlpConfig(**{f: entry[f] for f in MlpConfig.__dataclass_fields__})
+            norm_entry = {f: entry[f] for f in MlpConfig.__dataclass_fields__}
+            try:
+                out = torch.full((M, H), float("nan"), device=DEVICE, dtype=DTYPE)
+                _launch_fused_mlp(x, *halves[0], downs[0], out, cfg, norm_w, attn, 1e-5)
+                norm_entry["err"] = rel_err(out, want_norm)
+                if norm_entry["err"] > 1e-2:
+                    norm_entry["error"] = f"wrong: relative error {norm_entry['err']:.3g}"
+                else:
+                    norm_entry["us"] = graph_us(
+                        lambda i: _launch_fused_mlp(x, *halves[i], downs[i], outs[i], cfg, norm_w, attn, 1e-5), copies)
+            except Exception as exc:  # noqa: BLE001
+                norm_entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["norm"].append(norm_entry)
+        timed_norm = [c for c in row["norm"] if "us" in c]
+        row["best_norm"] = min(timed_norm, key=lambda c: c["us"]) if timed_norm else None
         results.append(row)
         best = row["best"]
         print(
@@ -163,7 +206,9 @@ def main() -> None:
             f"{row['unfused_us']:7.2f} | fused default {configs[0].get('us', float('nan')):7.2f} | best "
             f"{best['us'] if best else float('nan'):7.2f} "
             f"{ {k: best[k] for k in ('chunk', 'block_k', 'block_h', 'num_warps', 'num_stages', 'reduce_block')} if best else ''} | "
-            f"{sum('error' in c for c in configs)} of {len(configs)} configs failed | {time.time() - t0:.0f} s",
+            f"{sum('error' in c for c in configs)} of {len(configs)} configs failed | with the norm: unfused "
+            f"{row['unfused_norm_us']:7.2f}, fused best "
+            f"{row['best_norm']['us'] if row['best_norm'] else float('nan'):7.2f} | {time.time() - t0:.0f} s",
             flush=True,
         )  # fmt: skip
         with open(path, "w") as f:  # after every shape: a sweep cut short keeps what it measured

@@ -197,7 +197,9 @@ def test_every_layer_of_a_tiny_llama_is_fused_and_logits_hold(monkeypatch):
             out = runner(ids, torch.arange(4).expand(1, 4).contiguous())
         logits[mode] = (out[0] if isinstance(out, tuple) else out).float()
         monkeypatch.setattr(passes_pkg, "PASSES", [p for p in passes_pkg.PASSES if p is not captured])
-        assert len(calls(captured.graphs[0])) == (0 if mode == "0" else 2)
+        fused = calls(captured.graphs[0])
+        assert len(fused) == (0 if mode == "0" else 2)
+        assert all(len(c.args) == 8 and c.args[6] is not None for c in fused)  # the post-attention norm and add in
     assert torch.isfinite(logits["1"]).all()
     torch.testing.assert_close(logits["1"], logits["0"], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(logits["1+inductor"], logits["1"], rtol=2e-2, atol=2e-2)
@@ -230,4 +232,116 @@ def test_drafter_mlp_takes_the_op_where_it_applies(monkeypatch, fused_projection
     assert torch.equal(args[1], mlp.gate_proj.weight) and torch.equal(args[2], mlp.up_proj.weight)
     w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
     assert torch.equal(got, fused_mlp_reference(x.reshape(4, -1), *w).reshape(x.shape))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _hf_layer_tail():
+    """The tail of an HF decoder layer: residual add, post-attention LlamaRMSNorm, LlamaMLP, residual add."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(LlamaConfig(hidden_size=H, intermediate_size=I)).half()
+    norm = LlamaRMSNorm(H, eps=1e-5).half()
+    with torch.no_grad():
+        norm.weight.add_(0.2 * torch.randn(H).half())
+    return mlp, norm
+
+
+def test_rms_norm_and_residual_add_go_into_the_op(cpu_counts):
+    mlp, norm = _hf_layer_tail()
+
+    def tail(residual, attn):
+        h = residual + attn
+        return h + mlp(norm(h))
+
+    residual, attn = rows(4, seed=5), rows(4, seed=6)
+    inputs = []  # the graph's placeholders: the two rows, then the modules' lifted parameters
+    gm = capture(tail, residual, attn, inputs=inputs)
+    (want,) = gm(*inputs)
+    gm = fuse_mlp(gm, ON)
+    (call,) = calls(gm)
+    assert not calls(gm, torch.rsqrt) and not calls(gm, torch._C._nn.linear)
+    assert len(calls(gm, operator.add)) == 2  # the residual add stays for the closing add; eps's add is gone
+    x_node, residual_node = call.args[0], call.args[6]
+    assert x_node.args[0].name == "l_residual_" and residual_node.args[0].name == "l_attn_"
+    assert call.args[5].op == "placeholder" and call.args[7] == 1e-5
+    (got,) = gm(*inputs)
+    h = residual + attn
+    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    mlp_out = fused_mlp_reference(residual.reshape(4, H), *w, norm.weight, attn.reshape(4, H), 1e-5)
+    assert torch.equal(got, h + mlp_out.reshape(1, 4, H))
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_a_norm_used_elsewhere_stays_and_the_switch_turns_the_fold_off(cpu_counts, monkeypatch):
+    mlp, norm = _hf_layer_tail()
+
+    def tail_reused(residual, attn):
+        x = norm(residual + attn)
+        return mlp(x), x  # the normed input has another user: the norm stays a graph kernel
+
+    def plain_norm(s):
+        return mlp(norm(s))  # no residual add before the norm: the op normalises s itself
+
+    args = (rows(2, seed=1), rows(2, seed=2))
+    gm = fuse_mlp(capture(tail_reused, *args), ON)
+    (call,) = calls(gm)
+    assert len(call.args) == 5 and len(calls(gm, torch.rsqrt)) == 1
+    s = rows(2, seed=3)
+    inputs = []
+    gm = fuse_mlp(capture(plain_norm, s, inputs=inputs), ON)
+    (call,) = calls(gm)
+    assert call.args[6] is None and not calls(gm, torch.rsqrt)
+    w = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    want = fused_mlp_reference(s.reshape(2, H), *w, norm.weight, None, 1e-5).reshape(1, 2, H)
+    assert torch.equal(gm(*inputs)[0], want)
+    monkeypatch.setenv(fuse_module.NORM_ENV, "0")
+    (call,) = calls(fuse_mlp(capture(plain_norm, s), ON))
+    assert len(call.args) == 5
+    monkeypatch.setenv(fuse_module.NORM_ENV, "off")
+    with pytest.raises(ValueError, match="TREECOMPILE_FUSED_MLP_NORM: expected 0 or 1, got 'off'"):
+        fuse_mlp(capture(plain_norm, s), ON)
+
+
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_drafter_layer_folds_its_residual_add_and_norm(monkeypatch, fold):
+    """With the fused MLP on, the head's decoder layer hands the residual add and the post-attention RMSNorm to
+    the op (unless TREECOMPILE_FUSED_MLP_NORM=0): the layer's output is residual + attn + the op's MLP of
+    norm(residual + attn), close to the unfused layer's. mlp_applies is told yes on the CPU (the op's
+    reference); the attention is replaced by a fixed tensor."""
+    from test_rewrite_attention import tiny_model
+
+    from treecompile import drafter as drafter_module
+    from treecompile.drafter import EagleDrafter
+
+    monkeypatch.setenv(mlp_op.FUSED_MLP_NORM_ENV, fold)
+    head = EagleDrafter.for_target(tiny_model("llama"), seed=0).float()
+    layer = head.midlayer
+    width = layer.mlp.gate_proj.in_features
+    gen = torch.Generator().manual_seed(4)
+    embeds, hidden, attn = (torch.randn(1, 3, width, generator=gen) for _ in range(3))
+    monkeypatch.setattr(layer.self_attn, "forward", lambda *a, **k: attn)
+    want = layer(embeds, hidden, *[None] * 7)
+    head.skinny_linears()
+    calls_seen = []
+    real = torch.ops.treespec.fused_mlp
+
+    def spy(*args):
+        calls_seen.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(drafter_module, "mlp_applies", lambda *a: True)
+    monkeypatch.setattr(torch.ops.treespec, "fused_mlp", spy)
+    got = layer(embeds, hidden, *[None] * 7)
+    (args,) = calls_seen
+    norm = layer.post_attention_layernorm
+    w = (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight)
+    if fold == "1":
+        assert args[5] is norm.weight and torch.equal(args[0], hidden.reshape(3, width))
+        mlp_out = fused_mlp_reference(hidden.reshape(3, width), *w, norm.weight, attn.reshape(3, width), norm.variance_epsilon)
+    else:
+        assert len(args) == 5
+        mlp_out = fused_mlp_reference(norm(hidden + attn).reshape(3, width), *w)
+    assert torch.equal(got, (hidden + attn) + mlp_out.reshape(1, 3, width))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
