@@ -63,7 +63,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, use_triton
+from ._common import (
+    HAS_TRITON, _capability, check_dim, check_dtype, check_same_device, pdl_enabled, triton_interpret, use_triton,
+)
 
 if HAS_TRITON:
     import triton
@@ -211,7 +213,8 @@ class MlpConfig:
     hidden dim a gate/up step, ``block_h`` output features a down step. The reduce kernel: ``reduce_block``
     output features a program, ``reduce_chunks`` partials summed a step (0: all of them in one step, up to
     256; its loads are not pipelined, so each step is an L2 round trip: 8B, M = 1: 224 partials, one step of
-    [256, 32] float32 for each of 128 programs)."""
+    [256, 32] float32 for each of 128 programs). ``tma``: the weight tiles come through TMA descriptors (one
+    box a tile, zero-filled past the weight's edge) where :func:`_tma_ok` holds, else through pointers."""
 
     block_m: int = 16
     chunk: int = 64
@@ -221,6 +224,7 @@ class MlpConfig:
     num_stages: int = 3
     reduce_block: int = 32
     reduce_chunks: int = 0
+    tma: bool = False  # gate / up / down tiles through Hopper TMA descriptors (where the device and layout allow)
 
 
 def _pow2(name: str, value: int, least: int) -> None:
@@ -241,6 +245,9 @@ def _check_config(cfg: MlpConfig, M: int) -> None:
         raise ValueError(f"config: num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
     if not 1 <= cfg.num_stages <= 8:
         raise ValueError(f"config: num_stages must be in 1..8, got {cfg.num_stages}")
+    if cfg.tma and max(cfg.chunk, cfg.block_k, cfg.block_h) > 256:
+        raise ValueError(f"config: a TMA box spans at most 256 elements a dim, got chunk={cfg.chunk}, "
+                         f"block_k={cfg.block_k}, block_h={cfg.block_h}")  # fmt: skip
 
 
 def choose_mlp_config(M: int, H: int, I: int, **override) -> MlpConfig:
@@ -258,7 +265,7 @@ def choose_mlp_config(M: int, H: int, I: int, **override) -> MlpConfig:
     return MlpConfig(**cfg)
 
 
-# (M, H, I): (chunk, block_k, block_h, num_warps, num_stages, reduce_block, reduce_chunks, us, unfused_us), from
+# (M, H, I): (chunk, block_k, block_h, num_warps, num_stages, reduce_block, reduce_chunks, us, unfused_us, tma), from
 # tests/gpu/mlp_sweep.py on the H200 (cold weights; the unfused chain is cuBLAS gate/up, Inductor's silu-mul
 # and cuBLAS down). Empty until measured: every shape stays on the unfused path.
 _MEASURED: dict[tuple[int, int, int], tuple] = {}
@@ -279,11 +286,12 @@ def register_mlp_tiles(rows) -> int:
         if not best:
             continue
         M, H, I = int(r["M"]), int(r["H"]), int(r["I"])
-        cfg = MlpConfig(**{f: int(best[f]) for f in MlpConfig.__dataclass_fields__ if f in best})
+        fields = {f: int(best[f]) for f in MlpConfig.__dataclass_fields__ if f in best and f != "tma"}
+        cfg = MlpConfig(**fields, tma=bool(best.get("tma", False)))
         _check_config(cfg, M)
         _MEASURED[(M, H, I)] = (
             cfg.chunk, cfg.block_k, cfg.block_h, cfg.num_warps, cfg.num_stages, cfg.reduce_block,
-            cfg.reduce_chunks, float(best["us"]), float(r["unfused_us"]),
+            cfg.reduce_chunks, float(best["us"]), float(r["unfused_us"]), cfg.tma,
         )  # fmt: skip
         added += 1
     return added
@@ -299,10 +307,11 @@ def measured_mlp_tiles(M: int, H: int, I: int) -> MlpConfig | None:
     if not swept:
         return None
     _, entry = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
-    chunk, block_k, block_h, warps, stages, reduce_block, reduce_chunks, us, unfused_us = entry
+    chunk, block_k, block_h, warps, stages, reduce_block, reduce_chunks, us, unfused_us = entry[:9]
     if us > WIN_MARGIN * unfused_us:
         return None
-    return MlpConfig(16, chunk, block_k, block_h, warps, stages, reduce_block, reduce_chunks)
+    tma = bool(entry[9]) if len(entry) > 9 else False
+    return MlpConfig(16, chunk, block_k, block_h, warps, stages, reduce_block, reduce_chunks, tma)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,11 +334,21 @@ def _launch_fused_mlp(
     extra = dict(launch_pdl=True) if pdl else {}
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     norm = norm_weight is not None
+    tma = cfg.tma and _tma_ok(gate, up, down)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        g_desc = TensorDescriptor(gate, [I, H], [gate.stride(0), 1], [cfg.chunk, cfg.block_k])
+        u_desc = TensorDescriptor(up, [I, H], [up.stride(0), 1], [cfg.chunk, cfg.block_k])
+        d_desc = TensorDescriptor(down, [H, I], [down.stride(0), 1], [cfg.block_h, cfg.chunk])
+    else:  # unused (TMA=False)
+        g_desc, u_desc, d_desc = gate, up, down
     _mlp_chunk_kernel[(chunks,)](
-        x, gate, up, down, ws, norm_weight if norm else x, residual if residual is not None else x, float(eps),
+        x, gate, up, down, ws, g_desc, u_desc, d_desc,
+        norm_weight if norm else x, residual if residual is not None else x, float(eps),
         M, H, I, x.stride(0), gate.stride(0), up.stride(0), down.stride(0),
         norm_weight.stride(0) if norm else 0, residual.stride(0) if residual is not None else 0,
-        NORM=norm, HAS_RESIDUAL=residual is not None, EVEN_H=H % cfg.block_k == 0, EVEN_I=I % cfg.chunk == 0, EVEN_OUT=H % cfg.block_h == 0, PREC=prec,
+        NORM=norm, HAS_RESIDUAL=residual is not None, TMA=tma, EVEN_H=H % cfg.block_k == 0, EVEN_I=I % cfg.chunk == 0, EVEN_OUT=H % cfg.block_h == 0, PREC=prec,
         USE_PDL=pdl, BLOCK_M=cfg.block_m, CHUNK=cfg.chunk, BLOCK_K=cfg.block_k, BLOCK_H=cfg.block_h,
         STAGES=cfg.num_stages, num_warps=cfg.num_warps, **extra,
     )  # fmt: skip
@@ -340,12 +359,26 @@ def _launch_fused_mlp(
     )  # fmt: skip
 
 
+def _tma_ok(*weights: torch.Tensor) -> bool:
+    """Whether the weights can be TMA box sources: 2-D, last dim contiguous, 16-byte aligned base and row
+    stride; on CUDA a Hopper or newer device (the interpreter emulates descriptors on the CPU)."""
+    first = weights[0]
+    if first.is_cuda:
+        index = first.device.index if first.device.index is not None else torch.cuda.current_device()
+        if triton_interpret() or _capability(index)[0] < 9:
+            return False
+    elif not triton_interpret():
+        return False
+    return all(w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+               for w in weights)  # fmt: skip
+
+
 if HAS_TRITON:
 
     @triton.jit
     def _mlp_chunk_kernel(
-        x, wg, wu, wd, ws, nw, res, eps, M, H, I, s_xm, s_wg, s_wu, s_wd, s_nw, s_rm,
-        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr, EVEN_OUT: tl.constexpr, PREC: tl.constexpr,
+        x, wg, wu, wd, ws, g_desc, u_desc, d_desc, nw, res, eps, M, H, I, s_xm, s_wg, s_wu, s_wd, s_nw, s_rm,
+        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TMA: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr, EVEN_OUT: tl.constexpr, PREC: tl.constexpr,
         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
@@ -353,6 +386,9 @@ if HAS_TRITON:
         BLOCK_K steps into two [BLOCK_M, CHUNK] float32 accumulators; h = silu(g) * u (rounded as the
         unfused path rounds); then the down projection's columns j stream over the H outputs in BLOCK_H
         steps, each step's [BLOCK_M, BLOCK_H] product stored to this program's partial ws[c] (float32).
+
+        TMA: each gate / up / down tile is one box of its descriptor (zero past the weight's edge, so padded
+        features and tail steps read zeros), moved into shared memory by the copy engine.
 
         NORM: the x tile of a step is s = x (+ residual, rounded to x's dtype), fed as norm_weight * s; the
         row's sum of s^2 accumulates over the same steps, and the gate / up accumulators are scaled by
@@ -380,10 +416,14 @@ if HAS_TRITON:
         acc_u = tl.zeros((BLOCK_M, CHUNK), tl.float32)
         sum_sq = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+            if TMA:
+                gt = g_desc.load([c * CHUNK, k0])
+                ut = u_desc.load([c * CHUNK, k0])
             if EVEN_H:
                 xt = tl.load(x_ptrs)
-                gt = tl.load(g_ptrs)
-                ut = tl.load(u_ptrs)
+                if not TMA:
+                    gt = tl.load(g_ptrs)
+                    ut = tl.load(u_ptrs)
                 if HAS_RESIDUAL:
                     xt = (xt.to(tl.float32) + tl.load(r_ptrs).to(tl.float32)).to(dtype)
                 if NORM:
@@ -391,8 +431,9 @@ if HAS_TRITON:
             else:
                 k_ok = (k0 + rk) < H
                 xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-                gt = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
-                ut = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
+                if not TMA:
+                    gt = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
+                    ut = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
                 if HAS_RESIDUAL:
                     xt = (xt.to(tl.float32) + tl.load(r_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)).to(dtype)
                 if NORM:
@@ -422,12 +463,18 @@ if HAS_TRITON:
         w_ptrs = ws + c.to(tl.int64) * M * H + rm.to(tl.int64)[:, None] * H + rh[None, :]
         for h0 in tl.range(0, H, BLOCK_H, num_stages=STAGES):
             if EVEN_OUT:
-                dt = tl.load(d_ptrs)
+                if TMA:
+                    dt = d_desc.load([h0, c * CHUNK])
+                else:
+                    dt = tl.load(d_ptrs)
                 part = tl.dot(h, tl.trans(dt), input_precision=PREC)
                 tl.store(w_ptrs, part, mask=m_ok[:, None])
             else:
                 h_ok = (h0 + rh) < H
-                dt = tl.load(d_ptrs, mask=h_ok[:, None], other=0.0)
+                if TMA:
+                    dt = d_desc.load([h0, c * CHUNK])
+                else:
+                    dt = tl.load(d_ptrs, mask=h_ok[:, None], other=0.0)
                 part = tl.dot(h, tl.trans(dt), input_precision=PREC)
                 tl.store(w_ptrs, part, mask=m_ok[:, None] & h_ok[None, :])
             d_ptrs += BLOCK_H * s_wd

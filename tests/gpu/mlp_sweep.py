@@ -1,6 +1,6 @@
 """treespec::fused_mlp against the unfused MLP chain on cold weights, per few-row MLP shape a round runs (H200, bf16).
 
-    python3 tests/gpu/mlp_sweep.py out.json [quick|full|smoke]    # ~8 / ~24 (default) / ~70 tile configs a shape
+    python3 tests/gpu/mlp_sweep.py out.json [quick|full|smoke]    # 12 / 28 (default) / 432 tile configs a shape
 
 A forward streams every weight once, so each timing runs one CUDA graph that calls the MLP over enough
 distinct weight copies to exceed the 50 MB L2 four times (the weights come from HBM, as in a round), and
@@ -107,16 +107,16 @@ def float64_mlp(x, gate_up, down, norm=None):
 def grid(mode: str, H: int, I: int) -> list[MlpConfig]:
     """Tile configs of one shape (the default first); tiles no wider than the dims they cover."""
     if mode == "smoke":
-        return [MlpConfig(16, 16, 16, 16, 4, 2, 8, 4), MlpConfig(16, 32, 32, 16, 4, 3, 16, 0)]
-    chunks, block_ks, block_hs, warps, stages = (32, 64, 128), (128, 256), (64, 128), (4, 8), (3,)
+        return [MlpConfig(16, 16, 16, 16, 4, 2, 8, 4), MlpConfig(16, 32, 32, 16, 4, 3, 16, 0, tma=True)]
+    chunks, block_ks, block_hs, warps, stages, tmas = (32, 64, 128), (128, 256), (128,), (4, 8), (3,), (False, True)
     if mode == "quick":
-        chunks, block_ks, block_hs, warps = (32, 64), (128, 256), (128,), (4, 8)
+        chunks, block_ks, warps = (32, 64), (128, 256), (4,)
     if mode == "full":
         chunks, block_ks, block_hs, warps, stages = (16, 32, 64, 128), (64, 128, 256), (64, 128, 256), (4, 8), (2, 3, 4)
     out = []
-    for c, bk, bh, w, st in itertools.product(chunks, block_ks, block_hs, warps, stages):
+    for c, bk, bh, w, st, tma in itertools.product(chunks, block_ks, block_hs, warps, stages, tmas):
         if c <= max(16, 1 << (I - 1).bit_length()) and max(bk, bh) <= max(16, 1 << (H - 1).bit_length()):
-            out.append(MlpConfig(16, c, bk, bh, w, st))
+            out.append(MlpConfig(16, c, bk, bh, w, st, tma=tma))
     if mode != "full":  # the pipeline depth and the reduce's width, around the default tiles
         base = choose_mlp_config(1, H, I)
         out += [MlpConfig(16, base.chunk, base.block_k, base.block_h, base.num_warps, st) for st in (2, 4)]
@@ -183,7 +183,7 @@ def main() -> None:
         row["configs"] = configs
         row["norm"] = []  # the RMSNorm prologue (x + attn, normalised): the default and the 3 best plain configs
         for entry in [configs[0]] + sorted(timed, key=lambda c: c["us"])[:3]:
-            cfg = MlpConfig(**{f: entry[f] for f in MlpConfig.__dataclass_fields__})
+            cfg = MlpConfig(**{f: entry[f] for f in MlpConfig.__dataclass_fields__})  # tma included
             norm_entry = {f: entry[f] for f in MlpConfig.__dataclass_fields__}
             try:
                 out = torch.full((M, H), float("nan"), device=DEVICE, dtype=DTYPE)
@@ -205,7 +205,7 @@ def main() -> None:
             f"{label:9s} M={M:2d} floor {row['floor_us']:7.2f} us | cuBLAS chain {row['cublas_us']:7.2f} | shipped chain "
             f"{row['unfused_us']:7.2f} | fused default {configs[0].get('us', float('nan')):7.2f} | best "
             f"{best['us'] if best else float('nan'):7.2f} "
-            f"{ {k: best[k] for k in ('chunk', 'block_k', 'block_h', 'num_warps', 'num_stages', 'reduce_block')} if best else ''} | "
+            f"{ {k: best[k] for k in ('chunk', 'block_k', 'block_h', 'num_warps', 'num_stages', 'reduce_block', 'tma')} if best else ''} | "
             f"{sum('error' in c for c in configs)} of {len(configs)} configs failed | with the norm: unfused "
             f"{row['unfused_norm_us']:7.2f}, fused best "
             f"{row['best_norm']['us'] if row['best_norm'] else float('nan'):7.2f} | {time.time() - t0:.0f} s",

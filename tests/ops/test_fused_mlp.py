@@ -51,6 +51,7 @@ def _norm_inputs(M, H, dtype, seed):
 SMALL = dict(chunk=16, block_k=16, block_h=16, reduce_block=8, reduce_chunks=4)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "M,H,I,tiles",
@@ -63,16 +64,36 @@ SMALL = dict(chunk=16, block_k=16, block_h=16, reduce_block=8, reduce_chunks=4)
         (1, 16, 4200, dict(SMALL, reduce_chunks=0)),  # 263 partials: the automatic step (256) twice
     ],
 )
-def test_matches_float64_gated_mlp(dtype, M, H, I, tiles):
+def test_matches_float64_gated_mlp(dtype, M, H, I, tiles, tma):
+    """Pointer tiles and TMA boxes (the interpreter emulates descriptors; a weight whose rows are not 16-byte
+    multiples, H=50 or 17 in float16, falls back to pointers)."""
     x, gate, up, down = _inputs(M, H, I, dtype, seed=M * 100 + H)
     out = poisoned((M, H), dtype)
-    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **tiles))
+    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, tma=tma, **tiles))
+    _check(out, x, gate, up, down)
+
+
+def test_tma_boxes_read_zeros_past_a_view_of_the_fused_weight(monkeypatch):
+    """With TMA the gate half of a fused [2I, H] weight is bounded by its own descriptor: the last slice's
+    padded features read zeros, not the up half's first rows; and the down tiles past I read zeros, not the
+    next row (NaN there would otherwise reach the output through 0 * NaN)."""
+    M, H, I = 2, 32, 40
+    x, gate, up, down = _inputs(M, H, I, torch.float32, seed=21)
+    gate_up = torch.cat([gate, up])
+    padded_down = torch.full((H, I + 8), float("nan"))
+    padded_down[:, :I] = down
+    down_view = padded_down[:, :I]  # row stride 48 floats (192 bytes): a legal box source, NaN just past I
+    from treecompile.ops import fused_mlp as module
+
+    assert module._tma_ok(gate_up[:I], gate_up[I:], down_view)
+    out = poisoned((M, H), torch.float32)
+    _launch_fused_mlp(x, gate_up[:I], gate_up[I:], down_view, out, choose_mlp_config(M, H, I, tma=True, **SMALL))
     _check(out, x, gate, up, down)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "residual+norm"])
-@pytest.mark.parametrize("M,H,I,tiles", [(1, 64, 128, {}), (3, 50, 70, SMALL), (16, 48, 96, SMALL)])
+@pytest.mark.parametrize("M,H,I,tiles", [(1, 64, 128, {}), (3, 50, 70, SMALL), (16, 48, 96, dict(SMALL, tma=True))])
 def test_norm_prologue_matches_float64(dtype, with_residual, M, H, I, tiles):
     """With norm_weight the MLP's input is rmsnorm(x (+ residual)) * norm_weight (HF LlamaRMSNorm): the row's
     norm summed over the same steps that feed the MMA, applied to the gate / up sums after the loop; a tail
@@ -195,11 +216,12 @@ def test_bad_inputs_are_refused_by_name(change, match):
         ("reduce_chunks", 3, "reduce_chunks must be a power of two"),
         ("num_warps", 3, "num_warps must be"),
         ("num_stages", 0, "num_stages must be in 1..8"),
+        ("block_k", 512, "a TMA box spans at most 256 elements a dim"),
     ],
 )
 def test_bad_tiles_are_refused_by_name(field, value, match):
     x, gate, up, down = _inputs(2, 32, 48, torch.float32)
-    cfg = choose_mlp_config(2, 32, 48, **{field: value})
+    cfg = choose_mlp_config(2, 32, 48, **{field: value}, tma=field == "block_k" and value == 512)
     with pytest.raises(ValueError, match=match):
         _launch_fused_mlp(x, gate, up, down, torch.empty(2, 32), cfg)
 
@@ -217,7 +239,8 @@ def test_measured_table_rules(monkeypatch):
     row count stands in, but a 1-row entry serves only 1 row and the reverse."""
     monkeypatch.setattr(fm, "_MEASURED", {})
     assert measured_mlp_tiles(1, 4096, 14336) is None
-    best = dict(chunk=32, block_k=256, block_h=64, num_warps=8, num_stages=4, reduce_block=64, reduce_chunks=8)
+    best = dict(chunk=32, block_k=256, block_h=64, num_warps=8, num_stages=4, reduce_block=64, reduce_chunks=8,
+                tma=False)  # fmt: skip
     rows = [dict(M=1, H=4096, I=14336, unfused_us=90.0, best=dict(best, us=85.0)),
             dict(M=4, H=4096, I=14336, unfused_us=95.0, best=dict(best, us=94.0)),  # within 2%: unfused
             dict(M=8, H=4096, I=14336, unfused_us=95.0, best=None)]  # fmt: skip
@@ -228,8 +251,9 @@ def test_measured_table_rules(monkeypatch):
     with_norm = dict(rows[0], unfused_norm_us=92.0, best_norm=dict(best, chunk=64, us=91.5))
     register_mlp_tiles([with_norm])
     assert measured_mlp_tiles(1, 4096, 14336) is None  # 91.5 is within 2% of 92: unfused
-    register_mlp_tiles([dict(with_norm, best_norm=dict(best, chunk=64, us=85.0))])
-    assert measured_mlp_tiles(1, 4096, 14336).chunk == 64
+    register_mlp_tiles([dict(with_norm, best_norm=dict(best, chunk=64, us=85.0, tma=True))])
+    cfg = measured_mlp_tiles(1, 4096, 14336)
+    assert cfg.chunk == 64 and cfg.tma
     register_mlp_tiles(rows[:1])
     assert measured_mlp_tiles(4, 4096, 14336) is None
     assert measured_mlp_tiles(2, 4096, 14336) is None  # the 4-row entry stands in, and it lost

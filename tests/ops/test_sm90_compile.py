@@ -67,12 +67,15 @@ def _cases() -> dict:
     mlp_types = dict(x="*bf16", wg="*bf16", wu="*bf16", wd="*bf16", ws="*fp32", nw="*bf16", res="*bf16", eps="fp32")
     # the 8B decode's MLP (H 4096, I 14336) at the default tiles: with the residual + RMSNorm prologue and
     # every dim a multiple of its tile; plain, with every tail mask
-    for even, pdl, norm in ((True, True, True), (False, False, False)):
-        const = dict(NORM=norm, HAS_RESIDUAL=norm, EVEN_H=even, EVEN_I=even, EVEN_OUT=even, PREC="tf32", USE_PDL=pdl,
-                     BLOCK_M=16, CHUNK=64, BLOCK_K=128, BLOCK_H=128, STAGES=3)  # fmt: skip
-        cases[f"mlp-chunk-{'even' if even else 'tails'}"] = (
-            "fused_mlp", "_mlp_chunk_kernel", const, mlp_types, ("M", "s_nw", "s_rm"), 4, 3,
-        )  # fmt: skip
+    for even, pdl, norm, tma in ((True, True, True, False), (False, False, False, False), (True, True, True, True)):
+        types = dict(mlp_types)
+        if tma:
+            types.update(g_desc="tensordesc<bf16[64,128]>", u_desc="tensordesc<bf16[64,128]>",
+                         d_desc="tensordesc<bf16[128,64]>")  # fmt: skip
+        const = dict(NORM=norm, HAS_RESIDUAL=norm, TMA=tma, EVEN_H=even, EVEN_I=even, EVEN_OUT=even, PREC="tf32",
+                     USE_PDL=pdl, BLOCK_M=16, CHUNK=64, BLOCK_K=128, BLOCK_H=128, STAGES=3)  # fmt: skip
+        name = f"mlp-chunk-{'even' if even else 'tails'}{'-tma' if tma else ''}"
+        cases[name] = ("fused_mlp", "_mlp_chunk_kernel", const, types, ("M", "s_nw", "s_rm"), 4, 3)
     cases["mlp-reduce"] = (
         "fused_mlp", "_mlp_reduce_kernel", dict(USE_PDL=True, BLOCK=128, CHUNKS=16),
         dict(ws="*fp32", out="*bf16"), ("M", "chunks"), 4, 3,
@@ -215,6 +218,14 @@ def test_fused_mlp_chunk_kernel_compiles_with_both_loops_pipelined(report, tails
     assert entry["async_copies"] >= 4, f"a loop's weight loads are not async copies: {entry}"
     assert 0 < entry["shared_bytes"] <= 113 * 1024, entry["shared_bytes"]
     assert entry["pdl_waits"] == (1 if tails == "even" else 0)
+
+
+def test_fused_mlp_chunk_kernel_streams_its_weights_through_tma(report):
+    """With TMA boxes (the 8B decode's default tiles, norm prologue on) the gate, up and down tiles are TMA
+    copies into shared memory, pipelined in both loops."""
+    entry = _entry(report, "mlp-chunk-even-tma")
+    assert entry["tma_copies"] >= 3, f"not every weight tile is a TMA copy: {entry}"
+    assert 0 < entry["shared_bytes"] <= 113 * 1024, entry["shared_bytes"]
 
 
 def test_fused_mlp_reduce_kernel_compiles(report):
