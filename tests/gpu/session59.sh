@@ -9,7 +9,8 @@ set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
-timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_fused_mlp.py > "$OUT/gpu_tests.log" 2>&1
+timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_fused_mlp.py \
+  tests/runtime/test_speculator_gpu.py -k "fused_mlp" > "$OUT/gpu_tests.log" 2>&1
 echo "fused mlp gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
 timeout ${T_SWEEP:-360} python3 tests/gpu/mlp_sweep.py "$OUT/mlp_sweep.json" 2>&1 | grep -v "^INFO" | tee "$OUT/mlp_sweep.log"
 cp "$OUT/mlp_sweep.json" /tmp/mlp_sweep.json 2>/dev/null  # for session59b.sh on the same warm machine

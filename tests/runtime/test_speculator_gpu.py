@@ -416,3 +416,40 @@ def test_cuda_rounds_never_recompile_across_requests_and_batch_sizes():
         for b in (1, 3, 1, 2):
             outs.append(spec.generate(ids[:b], mask[:b], max_new_tokens=24).sequences)
     assert torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("tree", [(4, 5, 32), (2, 2, 4)], ids=["head-only", "target-too"])
+def test_fused_mlp_on_cuda_runs_the_op_and_agrees(monkeypatch, tree):
+    """TREECOMPILE_FUSED_MLP=1 (bf16, Inductor, CUDA graphs, skinny linears on): the head's MLP (lanes of
+    3 x 4 rows, step 0 of 3) and, for a (2, 2, 4) tree, the target's MLP in the verify (3 x 4 rows) run
+    treespec::fused_mlp with the post-attention RMSNorm folded in; the output agrees with the same speculator
+    without it (bf16 kernels round differently: agreement, as elsewhere)."""
+    from treecompile.ops import fused_mlp as mlp_module
+
+    model = tiny_llama(torch.bfloat16)
+    ids, mask = ragged()
+    topk, steps, nodes = tree
+    outs = []
+    for fused in ("0", "1"):
+        monkeypatch.setenv(mlp_module.FUSED_MLP_ENV, fused)
+        calls = []
+        launch = mlp_module._launch_fused_mlp
+
+        def counting(x, *args, **kwargs):
+            calls.append((x.shape[0], kwargs.get("norm_weight") is not None))
+            return launch(x, *args, **kwargs)
+
+        monkeypatch.setattr(mlp_module, "_launch_fused_mlp", counting)
+        spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1).to("cuda", torch.bfloat16), topk=topk,
+                              steps=steps, num_nodes=nodes, max_batch_size=3, max_seq_len=256, skinny_linears=True)  # fmt: skip
+        outs.append(spec.generate(ids, mask, max_new_tokens=40).sequences)
+        monkeypatch.setattr(mlp_module, "_launch_fused_mlp", launch)
+        if fused == "0":
+            assert not calls
+        else:
+            assert calls and all(norm for _, norm in calls), calls
+            assert 3 * topk in {m for m, _ in calls}  # the head's lanes
+            if nodes * 3 <= mlp_module.MAX_ROWS:
+                assert 3 * nodes in {m for m, _ in calls}  # the target's verify
+    new = slice(ids.shape[1], None)
+    assert (outs[0][:, new] == outs[1][:, new]).float().mean().item() >= 0.8

@@ -444,8 +444,12 @@ def kernel_resources() -> list[str]:
 def run_sweep(prefixes, nodes, min_layers: int, l2_bytes: int, min_chunks=(None,)) -> list[dict]:
     """Per-layer time of stage-1 configurations (tiles, stages, split counts, minimum keys per split) at
     each point, each checked against the default config's output. Split counts: the default rule, one and
-    two full waves of 1- or 2-resident programs, and the older ``cdiv(2 * SMs, programs per split)`` rule.
-    ``min_chunks``: the MIN_CHUNK values to try (None: the config's default)."""
+    two full waves of 1- or 2-resident programs, and the older ``cdiv(2 * SMs, programs per split)`` rule;
+    for few rows (< 128 a KV head: decode, draft lanes, N <= 16 verify) also three and four programs an SM,
+    with the smaller tiles that let that many stay resident (64 x 32 keys, two or three stages), and 64 rows
+    on two warpgroups: at 16k N = 16 the default (two programs an SM of 64 x 64) ran 1.77x its floor while a
+    bare read of the same bytes ran 1.05x (thirty-seventh session), so per-program latency, not bandwidth,
+    is what is left there. ``min_chunks``: the MIN_CHUNK values to try (None: the config's default)."""
     from treecompile.ops._tree_attention_kernels import choose_config
 
     gen = torch.Generator().manual_seed(1)
@@ -455,7 +459,7 @@ def run_sweep(prefixes, nodes, min_layers: int, l2_bytes: int, min_chunks=(None,
         rows = N * (HQ // HKV)
         tiles = ((128, 64, 4, 4), (128, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3))
         if rows < 128:
-            tiles = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3))
+            tiles = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 8, 3))
         for P in prefixes:
             L = layers_for(P, N, min_layers, l2_bytes)
             point = Point(P, N, L, gen)
@@ -466,7 +470,8 @@ def run_sweep(prefixes, nodes, min_layers: int, l2_bytes: int, min_chunks=(None,
             for block_m, block_n, warps, stages in tiles:
                 nrb = -(-rows // block_m)
                 per_split = B * HKV * nrb
-                splits = sorted({max(1, sms // per_split), max(1, 2 * sms // per_split), -(-2 * sms // per_split)})
+                waves = (1, 2, 3, 4) if rows < 128 else (1, 2)  # resident programs an SM the split count fills
+                splits = sorted({max(1, w * sms // per_split) for w in waves} | {-(-2 * sms // per_split)})
                 for ns, min_chunk in ((ns, mc) for ns in splits for mc in min_chunks):
                     extra = {} if min_chunk is None else {"min_chunk": max(min_chunk, block_n)}
                     cfg = choose_config(B, N, HQ, HKV, D, cap, torch.device("cuda"), ns, block_m=block_m,
