@@ -1,6 +1,6 @@
 """treespec::fused_mlp against the unfused MLP chain on cold weights, per few-row MLP shape a round runs (H200, bf16).
 
-    python3 tests/gpu/mlp_sweep.py out.json [quick|full|smoke]    # 12 / 28 (default) / 432 tile configs a shape
+    python3 tests/gpu/mlp_sweep.py out.json [quick|full|smoke]    # 12 / 52 (default) / 432 tile configs a shape
 
 A forward streams every weight once, so each timing runs one CUDA graph that calls the MLP over enough
 distinct weight copies to exceed the 50 MB L2 four times (the weights come from HBM, as in a round), and
@@ -108,9 +108,12 @@ def grid(mode: str, H: int, I: int) -> list[MlpConfig]:
     """Tile configs of one shape (the default first); tiles no wider than the dims they cover."""
     if mode == "smoke":
         return [MlpConfig(16, 16, 16, 16, 4, 2, 8, 4), MlpConfig(16, 32, 32, 16, 4, 3, 16, 0, tma=True)]
-    chunks, block_ks, block_hs, warps, stages, tmas = (32, 64, 128), (128, 256), (128,), (4, 8), (3,), (False, True)
+    # Bytes a step decide how well a pipelined MMA stream runs at 1 row (gemv_sweep.json, eleventh session: the
+    # skinny MMA kernel streams the 8B LM head at 4.4 TB/s with 64 KB tiles, qkv at 1.2 with 4 KB ones), so the
+    # grid leans to wide tiles; shared-memory overflows are reported as failed configs.
+    chunks, block_ks, block_hs, warps, stages, tmas = (32, 64, 128), (128, 256), (128, 256), (4, 8), (3,), (False, True)
     if mode == "quick":
-        chunks, block_ks, warps = (32, 64), (128, 256), (4,)
+        chunks, block_ks, block_hs, warps = (32, 64), (128, 256), (128,), (4,)
     if mode == "full":
         chunks, block_ks, block_hs, warps, stages = (16, 32, 64, 128), (64, 128, 256), (64, 128, 256), (4, 8), (2, 3, 4)
     out = []
