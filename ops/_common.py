@@ -90,6 +90,15 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+def tma_device_ok(t: torch.Tensor) -> bool:
+    """Whether Hopper TMA descriptors can serve ``t``'s device: a CUDA device of compute capability >= 9.0
+    outside the interpreter, or a CPU tensor under the interpreter (which emulates descriptors)."""
+    if t.is_cuda:
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return not triton_interpret() and _capability(index)[0] >= 9
+    return triton_interpret()
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether treecompile's Triton kernels launch as programmatic dependent launches on ``device``.
 

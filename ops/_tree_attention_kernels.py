@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import _capability, check_l2_prefetch, pdl_enabled, prefetch_l2, triton_interpret
+from ._common import check_l2_prefetch, pdl_enabled, prefetch_l2, tma_device_ok, triton_interpret
 
 logger = logging.getLogger(__name__)
 
@@ -281,13 +281,7 @@ def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:
     """Whether full prefix tiles can come through TMA descriptors: a tile must lie in one page, and each cache
     must be a 2-D ``[num_slots, Hkv * D]`` box source (heads adjacent, D contiguous, 16-byte aligned base and
     slot stride). On CUDA the device must be Hopper or newer; the interpreter emulates descriptors on CPU."""
-    if page_size % block_n:
-        return False
-    if k_cache.is_cuda:
-        index = k_cache.device.index if k_cache.device.index is not None else torch.cuda.current_device()
-        if triton_interpret() or _capability(index)[0] < 9:
-            return False
-    elif not triton_interpret():
+    if page_size % block_n or not tma_device_ok(k_cache):
         return False
     for c in (k_cache, v_cache):
         D = c.shape[2]

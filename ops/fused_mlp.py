@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
-    HAS_TRITON, _capability, check_dim, check_dtype, check_same_device, pdl_enabled, triton_interpret, use_triton,
+    HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, tma_device_ok, use_triton,
 )
 
 if HAS_TRITON:
@@ -299,14 +299,15 @@ def register_mlp_tiles(rows) -> int:
 
 def measured_mlp_tiles(M: int, H: int, I: int) -> MlpConfig | None:
     """The swept tiles for this shape when the sweep found the fused MLP faster than the unfused chain, else
-    None. The nearest swept M of the same (H, I) stands in for M (1 row stands only for itself: a decode's
-    workspace and rows differ from a lane step's)."""
+    None. The smallest swept M of the same (H, I) at or above M stands in for M: never an entry swept at fewer
+    rows, since the workspace (I / chunk x M x H float32) grows with M and at 16 rows of the 8B MLP is ~59 MB,
+    more than L2; and 1 row stands only for itself (a decode's stream differs from a lane step's)."""
     if not 1 <= M <= MAX_ROWS:
         return None
-    swept = [(m, v) for (m, h, i), v in _MEASURED.items() if h == H and i == I and (m == 1) == (M == 1)]
+    swept = [(m, v) for (m, h, i), v in _MEASURED.items() if h == H and i == I and m >= M and (m == 1) == (M == 1)]
     if not swept:
         return None
-    _, entry = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
+    _, entry = min(swept, key=lambda item: item[0])
     chunk, block_k, block_h, warps, stages, reduce_block, reduce_chunks, us, unfused_us = entry[:9]
     if us > WIN_MARGIN * unfused_us:
         return None
@@ -362,12 +363,7 @@ def _launch_fused_mlp(
 def _tma_ok(*weights: torch.Tensor) -> bool:
     """Whether the weights can be TMA box sources: 2-D, last dim contiguous, 16-byte aligned base and row
     stride; on CUDA a Hopper or newer device (the interpreter emulates descriptors on the CPU)."""
-    first = weights[0]
-    if first.is_cuda:
-        index = first.device.index if first.device.index is not None else torch.cuda.current_device()
-        if triton_interpret() or _capability(index)[0] < 9:
-            return False
-    elif not triton_interpret():
+    if not tma_device_ok(weights[0]):
         return False
     return all(w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
                for w in weights)  # fmt: skip

@@ -16,59 +16,43 @@ reports the time per call. Per shape, side by side in one process:
   chain after Inductor's add + norm kernel, against the fused op's RMSNorm prologue (``norm``: the default and
   the three best plain configs, same checks).
 
-Shapes: the 8B Llama's MLP (H 4096, I 14336; also the 8B EAGLE-3 head's) at 1 row (decode, draft step 0) and 4
-(draft lanes of K = 4, a batch-4 decode); SmolLM2-135M's (576, 1536) at 1, 4 and 8 rows (decode, draft lanes).
+Shapes: the 8B Llama's MLP (H 4096, I 14336; also the 8B EAGLE-3 head's) at 1 row (decode, draft step 0), 4
+(draft lanes of K = 4, a batch-4 decode) and 16 (a 16-node verify); SmolLM2-135M's (576, 1536) at 1, 4, 8 and 16
+rows. The table serves a row count from the smallest swept one at or above it.
 Rows carry ``M, H, I, unfused_us, best`` for ``ops/fused_mlp.register_mlp_tiles`` (``tests/gpu/variant.py
 --mlp-table out.json`` installs them for a round's A/B). ``smoke``: the CPU interpreter, two tiny shapes.
 """
 
 import itertools
 import json
+import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import skinny_sweep  # noqa: E402  (tests/gpu: the shared timing method)
+
 from treecompile.ops._common import inductor_patches
 from treecompile.ops.fused_mlp import MlpConfig, _launch_fused_mlp, choose_mlp_config
 from treecompile.ops.skinny_linear import linear_rows
 
+# Biggest first within what a round needs most; the 16-row 8B case last (a (4, 4, 16) tree's verify: its workspace,
+# I / chunk x 16 x H float32, outgrows L2, so it may well lose; an entry there lets the table serve 5-16 rows).
 CASES = [(1, "8b mlp", 4096, 14336), (4, "8b mlp", 4096, 14336),
-         (1, "smol mlp", 576, 1536), (4, "smol mlp", 576, 1536), (8, "smol mlp", 576, 1536)]  # fmt: skip
+         (1, "smol mlp", 576, 1536), (4, "smol mlp", 576, 1536), (8, "smol mlp", 576, 1536),
+         (16, "8b mlp", 4096, 14336), (16, "smol mlp", 576, 1536)]  # fmt: skip
 L2_BYTES = 50 * 2**20
 DEVICE, DTYPE = "cuda", torch.bfloat16
 
 
 def graph_us(fn, copies: int, reps: int = 10) -> float:
-    """Per-call us of ``fn(i)`` for i over the copies, captured as one graph, median of 5 timings."""
-    if DEVICE == "cpu":  # smoke: the control flow and the JSON, no timing worth the name
-        t = time.perf_counter()
-        for i in range(copies):
-            fn(i)
-        return (time.perf_counter() - t) * 1e6 / copies
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * copies))
-    return sorted(times)[2]
+    """Per-call us of ``fn(i)`` for i over the copies, captured as one graph (skinny_sweep's method, so the two
+    sweeps' numbers compare); on the CPU (smoke) a plain loop."""
+    skinny_sweep.DEVICE = DEVICE
+    return skinny_sweep.graph_us(fn, copies, reps)
 
 
 def copy_bandwidth() -> float:

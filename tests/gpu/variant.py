@@ -1,11 +1,13 @@
 """Run a module or script under one A/B variant of the round (GPU tuning runs, branch next/merged2).
 
-    python3 tests/gpu/variant.py [--table SWEEP.json] [--mlp-table MLP.json] [--no-fold] [--inductor KEY=VALUE ...] TARGET [args...]
+    python3 tests/gpu/variant.py [--table SWEEP.json] [--mlp-table[-all] MLP.json] [--no-fold] [--inductor KEY=VALUE ...] TARGET [args...]
 
 ``--table``: a ``tests/gpu/skinny_sweep.py`` JSON is added to ``skinny_linear``'s measured table
 (``register_tiles``): its shapes use their best tiles where they beat cuBLAS, and stay on cuBLAS where not.
 ``--mlp-table``: a ``tests/gpu/mlp_sweep.py`` JSON is added to ``fused_mlp``'s measured table
 (``register_mlp_tiles``): its shapes run the fused MLP with their best tiles where it beat the unfused chain.
+``--mlp-table-all``: the same, but every swept shape runs the fused MLP with its best tiles, won or lost (a
+round-level A/B of the op as a whole).
 ``--no-fold``: the pass ``fuse_cache_write`` is left out, so each layer keeps its separate ``kv_write``.
 ``--inductor KEY=VALUE``: sets ``torch._inductor.config.KEY`` (a Python literal) for every compile of the
 run, e.g. ``combo_kernels=True`` (Inductor fuses independent small kernels, such as a layer's q and k rope,
@@ -33,11 +35,14 @@ def install_table(path: str) -> int:
         return skinny_linear.register_tiles(json.load(f))
 
 
-def install_mlp_table(path: str) -> int:
+def install_mlp_table(path: str, every_shape: bool = False) -> int:
     from treecompile.ops import fused_mlp
 
     with open(path) as f:
-        return fused_mlp.register_mlp_tiles(json.load(f))
+        rows = json.load(f)
+    if every_shape:  # the unfused baselines as infinitely slow: each shape's best tiles count as a win
+        rows = [dict(r, unfused_us=float("inf"), unfused_norm_us=float("inf")) for r in rows]
+    return fused_mlp.register_mlp_tiles(rows)
 
 
 def drop_fold() -> None:
@@ -87,8 +92,9 @@ def main() -> None:
         flag = args.pop(0)
         if flag == "--table":
             print(f"variant: {install_table(args.pop(0))} swept shapes installed", flush=True)
-        elif flag == "--mlp-table":
-            print(f"variant: {install_mlp_table(args.pop(0))} fused-MLP shapes installed", flush=True)
+        elif flag in ("--mlp-table", "--mlp-table-all"):
+            count = install_mlp_table(args.pop(0), every_shape=flag == "--mlp-table-all")
+            print(f"variant: {count} fused-MLP shapes installed ({flag})", flush=True)
         elif flag == "--no-fold":
             drop_fold()
             print("variant: fuse_cache_write left out", flush=True)

@@ -235,8 +235,9 @@ def test_default_tiles_fit_the_dims():
 
 
 def test_measured_table_rules(monkeypatch):
-    """A shape is fused only once the sweep measured it >= 2% faster than the unfused chain; the nearest swept
-    row count stands in, but a 1-row entry serves only 1 row and the reverse."""
+    """A shape is fused only once the sweep measured it >= 2% faster than the unfused chain; the smallest swept
+    row count at or above M stands in (never fewer rows: the workspace grows with M), and a 1-row entry serves
+    only 1 row and the reverse."""
     monkeypatch.setattr(fm, "_MEASURED", {})
     assert measured_mlp_tiles(1, 4096, 14336) is None
     best = dict(chunk=32, block_k=256, block_h=64, num_warps=8, num_stages=4, reduce_block=64, reduce_chunks=8,
@@ -259,6 +260,7 @@ def test_measured_table_rules(monkeypatch):
     assert measured_mlp_tiles(2, 4096, 14336) is None  # the 4-row entry stands in, and it lost
     register_mlp_tiles([dict(rows[1], best=dict(best, us=80.0))])
     assert measured_mlp_tiles(2, 4096, 14336).chunk == 32
+    assert measured_mlp_tiles(5, 4096, 14336) is None  # 4 rows never stand in for more
     monkeypatch.delitem(fm._MEASURED, (1, 4096, 14336))
     assert measured_mlp_tiles(1, 4096, 14336) is None  # 4 rows do not stand in for a decode
     assert measured_mlp_tiles(17, 4096, 14336) is None
@@ -337,3 +339,27 @@ def test_bfloat16_8b_shape_with_norm_on_cuda(M):
     _check(out, x, gate, up, down, norm_weight, residual, 1e-5)
     want = fused_mlp_reference(x, gate, up, down, norm_weight, residual, 1e-5).float()
     torch.testing.assert_close(out.float(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_variant_installs_a_sweep_as_wins_or_as_it_was_measured(tmp_path, monkeypatch):
+    """tests/gpu/variant.py --mlp-table installs a sweep's rows as measured (a shape that lost stays unfused);
+    --mlp-table-all counts every swept shape's best tiles as a win (a round-level A/B of the op)."""
+    import importlib.util
+    import json
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "variant.py"
+    spec = importlib.util.spec_from_file_location("variant", script)
+    variant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variant)
+    best = dict(chunk=32, block_k=64, block_h=64, num_warps=4, num_stages=3, reduce_block=32, reduce_chunks=0)
+    rows = [dict(M=1, H=64, I=96, unfused_us=10.0, best=dict(best, us=12.0)),
+            dict(M=4, H=64, I=96, unfused_us=10.0, best=dict(best, us=8.0, tma=True))]  # fmt: skip
+    path = tmp_path / "mlp.json"
+    path.write_text(json.dumps(rows))
+    monkeypatch.setattr(fm, "_MEASURED", {})
+    assert variant.install_mlp_table(str(path)) == 2
+    assert measured_mlp_tiles(1, 64, 96) is None and measured_mlp_tiles(4, 64, 96).tma
+    monkeypatch.setattr(fm, "_MEASURED", {})
+    assert variant.install_mlp_table(str(path), every_shape=True) == 2
+    assert measured_mlp_tiles(1, 64, 96) == MlpConfig(16, 32, 64, 64, 4, 3, 32, 0)
