@@ -171,6 +171,7 @@ class SkinnyConfig:
     pdl: bool = False
     split_k: int = 1  # programs a slice along K (split-K); > 1 reduces through a workspace + counter table
     l2_prefetch: int = 0  # BLOCK_K tiles of a program's weight slice hinted into L2 before anything waits
+    pipeline: bool = False  # gemv only: the K loop software-pipelined by the compiler (see _skinny_gemv_kernel)
 
 
 # Measured on the H200 by tests/gpu/skinny_sweep.py (bf16, cold weights: each call reads another copy, as a
@@ -277,9 +278,12 @@ def register_tiles(rows) -> int:
         block_m = int(best.get("block_m", 0)) if int(r["M"]) > 64 and kind == "dot" else 0
         if block_m and (block_m < 16 or block_m & (block_m - 1)):
             raise ValueError(f"rows: best.block_m must be a power of two >= 16, got {block_m} for {r['M'], r['N'], r['K']}")
+        pipeline = bool(best.get("pipeline", False))
+        if pipeline and kind == "dot":
+            raise ValueError(f"rows: best.pipeline is for the gemv kernels, got kind 'dot' for {r['M'], r['N'], r['K']}")
         _MEASURED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
-            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m,
+            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m, pipeline,
         )  # fmt: skip
         added += 1
     return added
@@ -307,6 +311,7 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     split_k = entry[7] if len(entry) > 7 else 1
     l2_prefetch = entry[8] if len(entry) > 8 else 0
     block_m = entry[9] if len(entry) > 9 else 0
+    pipeline = bool(entry[10]) if len(entry) > 10 else False
     if us > WIN_MARGIN * cublas_us:
         return None
     tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=split_k,
@@ -314,7 +319,7 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     if block_m:
         tiles["block_m"] = block_m
     if kind != "dot":
-        return gemv_config(M, N, K, pdl=kind == "gemv_pdl", **tiles)
+        return gemv_config(M, N, K, pdl=kind == "gemv_pdl", pipeline=pipeline, **tiles)
     return choose_skinny_config(M, N, K, **tiles)
 
 
@@ -512,10 +517,10 @@ def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool)
     _skinny_gemv_kernel[grid](
         x, weight, bias if bias is not None else weight, out, ws, counters,
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, USE_PDL=pdl, PREFETCH=pdl and constant_weight,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        HAS_BIAS=bias is not None, USE_PDL=pdl, PREFETCH=pdl and constant_weight and not cfg.pipeline,
+        PIPELINE=cfg.pipeline, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         L2_LINES=_l2_lines(cfg, weight.element_size()), LINE_ELEMS=128 // weight.element_size(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )  # fmt: skip
 
 
@@ -524,12 +529,18 @@ if HAS_TRITON:
     @triton.jit
     def _skinny_gemv_kernel(
         x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
-        HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, PIPELINE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+        L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):  # fmt: skip
         """Program (n slice, -, k split): out[:, n slice] = x @ w[n slice].T (+ bias), by multiply-add on CUDA
         cores; over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (reduced by ``_split_k_store``).
+
+        PIPELINE: the loop loads each tile where it is used, in a ``tl.range`` of NUM_STAGES stages, and the
+        compiler pipelines the loads (async copies into shared memory, NUM_STAGES - 1 tiles in flight; an sm_90
+        compile shows them, ``tests/ops/test_sm90_compile.py``), where the register double buffer below has
+        one tile in flight and compiles to no async copy at all. It waits for the previous kernel first (no
+        first tile ahead of the wait).
 
         A 1-row GEMM is a weight stream: 2 FLOPs a loaded element, nothing for tensor cores to win, and a
         16-row MMA tile would be 15/16 padding. Each step multiplies a [BLOCK_N, BLOCK_K] weight tile into a
@@ -550,25 +561,40 @@ if HAS_TRITON:
         x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + (k_lo + rk)[None, :]
         if L2_LINES > 0:  # hints only: ahead of the wait in either case (the tiles after the first one)
             _prefetch_weight(w, rn, n_ok, k_lo + BLOCK_K, k_hi, s_wn, L2_LINES, LINE_ELEMS)
-        if USE_PDL and not PREFETCH:
-            tl.extra.cuda.gdc_wait()  # the weight itself may be the previous kernel's output
-        wt = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0)
-        if USE_PDL and PREFETCH:
-            tl.extra.cuda.gdc_wait()  # everything below may read or overwrite the previous kernel's memory
-        if USE_PDL:
-            # The next kernel may launch now: a dependent launch waits for this whole grid before it reads
-            # anything (every treecompile kernel does; Inductor's wait where they read this one's output).
-            tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            xt = tl.load(x_ptrs, mask=((k0 + rk) < k_hi)[None, :], other=0.0).to(tl.float32)
-            w_next = tl.load(w_ptrs + BLOCK_K, mask=((k0 + BLOCK_K + rk) < k_hi)[None, :], other=0.0)
-            acc += xt[:, None, :] * wt.to(tl.float32)[None, :, :]
-            wt = w_next
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=2)
-        _split_k_store(y, b, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
+        if PIPELINE:
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+                k_ok = ((k0 + rk) < k_hi)[None, :]
+                xt = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                wt = tl.load(w_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+                acc += xt[:, None, :] * wt[None, :, :]
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            y = tl.sum(acc, axis=2)
+            _split_k_store(y, b, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
+        else:
+            if USE_PDL and not PREFETCH:
+                tl.extra.cuda.gdc_wait()  # the weight itself may be the previous kernel's output
+            wt = tl.load(w_ptrs, mask=((k_lo + rk) < k_hi)[None, :], other=0.0)
+            if USE_PDL and PREFETCH:
+                tl.extra.cuda.gdc_wait()  # everything below may read or overwrite the previous kernel's memory
+            if USE_PDL:
+                # The next kernel may launch now: a dependent launch waits for this whole grid before it reads
+                # anything (every treecompile kernel does; Inductor's wait where they read this one's output).
+                tl.extra.cuda.gdc_launch_dependents()
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                xt = tl.load(x_ptrs, mask=((k0 + rk) < k_hi)[None, :], other=0.0).to(tl.float32)
+                w_next = tl.load(w_ptrs + BLOCK_K, mask=((k0 + BLOCK_K + rk) < k_hi)[None, :], other=0.0)
+                acc += xt[:, None, :] * wt.to(tl.float32)[None, :, :]
+                wt = w_next
+                x_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            y = tl.sum(acc, axis=2)
+            _split_k_store(y, b, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
 
 
 # --------------------------------------------------------------------------------------------------

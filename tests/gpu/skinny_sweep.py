@@ -31,6 +31,13 @@ batch-4 decode), the verify of a (4, 4, 16) tree (16 rows) and of a (4, 6, 32) o
 shapes and the shipped head's (q/k/v over its 2 x 576 input, fc, the 12288-id LM head); per shape cuBLAS, the
 shipped choice, MMA tiles over 1-4 splits of K, and for <= 16 rows the gemv kernel as a dependent launch.
 
+    python3 tests/gpu/skinny_sweep.py out.json pipe|pipe-smoke [ROWS]   # ROWS: "1,4" (default)
+
+``pipe``: the gemv kernel with its compiler-pipelined loop (``pipeline=True``: async copies, NUM_STAGES - 1 tiles
+in flight, where the register double buffer has one and compiles to no async copy) as a dependent launch, over
+slices, steps, warps and 3-6 stages, against cuBLAS and the shipped choice: the 8B layer and head shapes, then
+SmolLM2's target and shipped head, at ROWS rows, biggest weights first. Rows carry ``best.pipeline``.
+
 ``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
 rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
 carry ``best.block_m``, which ``register_tiles`` keeps for that band.
@@ -107,7 +114,12 @@ def main() -> None:
     splitk = mode in ("splitk", "splitk-smoke")
     batch_rows = mode in ("rows", "rows-smoke")
     mid = mode in ("mid", "mid-smoke")
+    pipe = mode in ("pipe", "pipe-smoke")
     cases = CASES
+    if pipe:  # argv[3]: the row counts (default 1,4); the biggest weights first within a row count
+        rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "1,4").split(",")]
+        shapes = LLAMA8B + LLAMA8B_HEAD + SMOL + SMOL_HEAD_SHIPPED
+        cases = [(m, *sh) for m in rows for sh in sorted(shapes, key=lambda sh: -sh[1] * sh[2])]
     if mid:  # argv[3]: the row counts (default 4,16,32); the biggest weights first within a row count
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "4,16,32").split(",")]
         cases = [(m, *sh) for m in rows for sh in sorted(SMOL + SMOL_HEAD_SHIPPED, key=lambda sh: -sh[1] * sh[2])]
@@ -120,7 +132,7 @@ def main() -> None:
                        key=lambda c: -c[2] * c[3])  # fmt: skip
     if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
         cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
-    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke", "pipe-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
         global DEVICE, DTYPE, L2_BYTES
         # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
@@ -130,6 +142,8 @@ def main() -> None:
             cases = [(70, "smoke r", 24, 64)]
         if mid:
             cases = [(4, "smoke m", 40, 72), (16, "smoke n", 24, 64)]
+        if pipe:
+            cases = [(1, "smoke p", 40, 72), (3, "smoke q", 24, 64)]
     torch.manual_seed(0)
     results = []
     t0 = time.time()
@@ -142,7 +156,7 @@ def main() -> None:
         want = F.linear(x.float(), ws[0].float())
         row = dict(M=M, label=label, N=N, K=K, copies=copies)
         row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
-        default = (measured_tiles(M, N, K) if gemv or splitk or mid else None) or choose_skinny_config(M, N, K)
+        default = (measured_tiles(M, N, K) if gemv or splitk or mid or pipe else None) or choose_skinny_config(M, N, K)
         sweep = [default]
         grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4))  # 24 configs
         if full:
@@ -194,6 +208,15 @@ def main() -> None:
                         sweep.append(gemv_config(M, N, K, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
                                                  pdl=True))  # fmt: skip
             grid = []
+        if pipe:  # the pipelined gemv as a dependent launch; the accumulator at most 16k float32 elements
+            smoke_pipe = mode == "pipe-smoke"
+            pipe_grid = [(4, 16, 4, 3), (8, 32, 4, 4)] if smoke_pipe else itertools.product(
+                (4, 8, 16), (256, 512, 1024), (4, 8), (3, 4, 6))  # fmt: skip
+            for bn, bk, warps, stages in pipe_grid:
+                if max(1, 1 << (M - 1).bit_length()) * bn * bk <= 16384 and bk <= max(16, 1 << (K - 1).bit_length()):
+                    sweep.append(gemv_config(M, N, K, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                                             pdl=True, pipeline=True))  # fmt: skip
+            grid = []
         if batch_rows:  # the row block too; the other loop below then adds nothing
             block_ms = (32, 64) if mode == "rows-smoke" else (32, 64, 128)
             block_ns = (16,) if mode == "rows-smoke" else (16, 32, 64)
@@ -215,7 +238,7 @@ def main() -> None:
         def run(cfg):
             entry = dict(block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, warps=cfg.num_warps,
                          stages=cfg.num_stages, kind=kind(cfg), split_k=cfg.split_k,
-                         l2_prefetch=cfg.l2_prefetch)  # fmt: skip
+                         l2_prefetch=cfg.l2_prefetch, pipeline=cfg.pipeline)  # fmt: skip
             try:
                 _launch_skinny_linear(x, ws[0], None, outs[0], config=cfg)
                 err = (outs[0].float() - want).abs().max().item()

@@ -162,18 +162,21 @@ def test_bias_column_of_a_wider_table(kernel_device):
     _check(out.cpu(), x, w, b)
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["double-buffer", "pipelined"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "M,N,K,bias,block_n,block_k",
     [(1, 40, 64, False, 8, 32), (3, 17, 50, True, 4, 16), (8, 33, 96, True, 16, 64), (5, 9, 200, False, 2, 128),
      (16, 13, 72, True, 4, 32), (11, 20, 40, False, 8, 16)],
 )
-def test_gemv_matches_float64_linear(dtype, M, N, K, bias, block_n, block_k):
-    """The multiply-add kernel: N not a multiple of the slice, K not a multiple of the step (the double
-    buffer's masked last tile), rows padded up to a power of two."""
+def test_gemv_matches_float64_linear(dtype, M, N, K, bias, block_n, block_k, pipeline):
+    """The multiply-add kernel, both loops (the register double buffer, and the compiler-pipelined one): N
+    not a multiple of the slice, K not a multiple of the step (the masked last tile), rows padded up to a
+    power of two."""
     x, w, b = _inputs(M, N, K, dtype, bias, seed=M * 100 + N)
     out = poisoned((M, N), dtype)
-    _launch_skinny_linear(x, w, b, out, config=gemv_config(M, N, K, block_n=block_n, block_k=block_k))
+    cfg = gemv_config(M, N, K, block_n=block_n, block_k=block_k, pipeline=pipeline)
+    _launch_skinny_linear(x, w, b, out, config=cfg)
     _check(out, x, w, b)
 
 
@@ -198,7 +201,8 @@ def test_gemv_strided_rows_views_and_pdl_config(kernel_device):
 @pytest.mark.parametrize(
     "M,N,K,bias,gemv,split_k,block_k",
     [(1, 40, 130, False, True, 4, 32), (3, 17, 50, True, True, 7, 16), (5, 24, 200, True, False, 3, 32),
-     (20, 33, 96, False, False, 2, 16), (64, 48, 200, True, False, 5, 16), (8, 70, 1000, True, True, 16, 32)],
+     (20, 33, 96, False, False, 2, 16), (64, 48, 200, True, False, 5, 16), (8, 70, 1000, True, True, 16, 32),
+     (2, 30, 130, True, "pipelined", 3, 32)],
 )  # fmt: skip
 def test_split_k_matches_float64_linear(dtype, M, N, K, bias, gemv, split_k, block_k, kernel_device):
     """Split-K (both kernels): splits of whole K tiles, a masked last tile, splits past K that hold no
@@ -209,7 +213,7 @@ def test_split_k_matches_float64_linear(dtype, M, N, K, bias, gemv, split_k, blo
     d = kernel_device
     x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, N, K, dtype, bias, seed=M * 10 + K))
     make = gemv_config if gemv else choose_skinny_config
-    cfg = make(M, N, K, block_k=block_k, split_k=split_k)
+    cfg = make(M, N, K, block_k=block_k, split_k=split_k, **(dict(pipeline=True) if gemv == "pipelined" else {}))
     outs = []
     for _ in range(2):
         out = poisoned((M, N), dtype, d)
@@ -235,7 +239,11 @@ def test_split_k_in_the_measured_table(monkeypatch):
     row["M"] = 1
     skinny_linear.register_tiles([row])
     cfg = skinny_linear.measured_tiles(1, 96, 512)
-    assert (cfg.split_k, cfg.gemv, cfg.pdl) == (2, True, True)
+    assert (cfg.split_k, cfg.gemv, cfg.pdl, cfg.pipeline) == (2, True, True, False)
+    skinny_linear.register_tiles([dict(row, best=dict(row["best"], pipeline=True))])
+    assert skinny_linear.measured_tiles(1, 96, 512).pipeline
+    with pytest.raises(ValueError, match="best.pipeline is for the gemv kernels"):
+        skinny_linear.register_tiles([dict(row, best=dict(row["best"], kind="dot", pipeline=True))])
     row["best"] = dict(row["best"], l2_prefetch=4)
     skinny_linear.register_tiles([row])
     assert skinny_linear.measured_tiles(1, 96, 512).l2_prefetch == 4
@@ -315,7 +323,7 @@ def test_bad_input_names_the_argument(make, match):
     [(M, N, K, kind) for M, N, K in [(1, 960, 576), (8, 8192, 576), (16, 960, 576), (64, 3072, 576), (1, 6144, 4096),
                                      (3, 100, 70)]
      for kind in ("table", "table_pdl_env", "table_l2", "gemv", "gemv_pdl", "gemv_pdl_prefetch", "dot_split4",
-                  "gemv_split4")
+                  "gemv_split4", "gemv_pdl_pipelined")
      if not kind.startswith("gemv") or M <= 16],  # gemv: <= 16 rows
 )
 def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K, kind):
@@ -335,8 +343,10 @@ def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K,
     elif kind == "dot_split4":  # split-K: the counter table exists before capture (this eager call)
         cfg = choose_skinny_config(M, N, K, split_k=4)
     else:
-        cfg = gemv_config(M, N, K, pdl=kind.startswith("gemv_pdl"), split_k=4 if kind == "gemv_split4" else 1)
-    constant = kind == "gemv_pdl_prefetch"  # the first weight tile loaded before the dependency wait
+        cfg = gemv_config(M, N, K, pdl=kind.startswith("gemv_pdl"), split_k=4 if kind == "gemv_split4" else 1,
+                          pipeline=kind.endswith("pipelined"))  # fmt: skip
+    # the first weight tile loaded before the dependency wait (the pipelined loop waits first whatever it is told)
+    constant = kind in ("gemv_pdl_prefetch", "gemv_pdl_pipelined")
     x, w, b = (t.cuda() if t is not None else None for t in _inputs(M, N, K, dtype, bias=N % 2 == 1))
     src = torch.randn_like(x)
     out = torch.empty(M, N, device="cuda", dtype=dtype)
@@ -456,3 +466,29 @@ def test_counter_tables_are_one_per_owner_and_never_resized():
     assert counter_table("test owner b", torch.device("cpu"), 8) is not a
     with pytest.raises(ValueError, match="test owner a: a launch counts at most 32 groups, got 33"):
         counter_table("test owner a", torch.device("cpu"), 33)
+
+
+def test_pipe_sweep_smoke(tmp_path, monkeypatch):
+    """tests/gpu/skinny_sweep.py's ``pipe`` mode (interpreter, two tiny shapes): the pipelined gemv configs
+    run, check against F.linear and are timed next to the shipped choice; the rows load into the table."""
+    import importlib.util
+    import json
+    import pathlib
+    import sys
+
+    from treecompile.ops import skinny_linear
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "skinny_sweep.py"
+    spec = importlib.util.spec_from_file_location("skinny_sweep", script)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "pipe.json"
+    monkeypatch.setattr(sys, "argv", [str(script), str(out), "pipe-smoke"])
+    monkeypatch.setattr(skinny_linear, "_MEASURED", dict(skinny_linear._MEASURED))
+    sweep.main()
+    rows = json.loads(out.read_text())
+    assert [(r["M"], r["N"], r["K"], r["configs"]) for r in rows] == [(1, 40, 72, 3), (3, 24, 64, 3)]
+    for r in rows:
+        piped = [c for c in r["top"] if c["pipeline"]]
+        assert len(piped) == 2 and all(c["kind"] == "gemv_pdl" and c["max_err"] < 0.05 for c in piped)
+    assert skinny_linear.register_tiles(rows) == 2
