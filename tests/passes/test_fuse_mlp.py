@@ -345,3 +345,36 @@ def test_drafter_layer_folds_its_residual_add_and_norm(monkeypatch, fold):
         mlp_out = fused_mlp_reference(norm(hidden + attn).reshape(3, width), *w)
     assert torch.equal(got, (hidden + attn) + mlp_out.reshape(1, 3, width))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_with_the_head_on_the_fused_op_equals_hf_greedy(monkeypatch):
+    """Lossless end to end with the head's MLP (and its post-attention norm) on treespec::fused_mlp: float32 on
+    the CPU, mlp_applies told yes (the op's reference), the head's other linears through linear_rows. The head
+    only changes what is drafted, so the output must equal HF greedy token for token; the op must have run
+    for the lanes (B x K rows) and the chain steps (the head's prefill and each round's accepted tokens)."""
+    from test_rewrite_attention import tiny_model
+
+    from treecompile import drafter as drafter_module
+    from treecompile.drafter import EagleDrafter
+    from treecompile.speculator import TreeSpeculator
+
+    model = tiny_model("llama", seed=2, vocab_size=24).float()
+    model.generation_config.eos_token_id = None
+    head = EagleDrafter.for_target(model, seed=1).float()
+    head.skinny_linears()
+    rows_seen = []
+    real = torch.ops.treespec.fused_mlp
+
+    def spy(x, *args):
+        rows_seen.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(drafter_module, "mlp_applies", lambda *a: True)
+    monkeypatch.setattr(torch.ops.treespec, "fused_mlp", spy)
+    spec = TreeSpeculator(model, head, topk=3, steps=3, num_nodes=8, max_batch_size=2, max_seq_len=64, page_size=8)
+    ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(4))
+    got = spec.generate(ids, max_new_tokens=12)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(got.sequences, want)
+    assert 2 * 3 in rows_seen and len(set(rows_seen)) > 1, rows_seen  # the lanes' 2 x 3 rows, and chain steps
