@@ -40,7 +40,8 @@ the cuBLAS chain. Until a shape has a measured entry (``measured_mlp_tiles``) it
 
 Shapes
 ------
-x       [M, H]  float16 / bfloat16 / float32; 1 <= M <= MAX_ROWS (16); last dim contiguous, any row stride
+x       [M, H]  float16 / bfloat16 / float32 (float64 on the CPU: the reference, for lossless tests); 1 <= M <=
+        MAX_ROWS (16); last dim contiguous, any row stride
 gate    [I, H]  x's dtype, last dim contiguous (a ``gate_proj`` weight, or rows [0, I) of a fused gate/up one)
 up      [I, H]  x's dtype, last dim contiguous
 down    [H, I]  x's dtype, last dim contiguous
@@ -78,7 +79,7 @@ __all__ = [
 
 MAX_ROWS = 16  # one 16-row MMA tile; the workspace grows with M (I / CHUNK x M x H float32)
 FUSED_MLP_ENV = "TREECOMPILE_FUSED_MLP"
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: the CPU reference only
 
 
 # --------------------------------------------------------------------------------------------------
@@ -117,6 +118,8 @@ def _check_inputs(
     check_dim("up", up, 2, "[I, H]")
     check_dim("down", down, 2, "[H, I]")
     check_dtype("x", x, *_DTYPES)
+    if x.dtype == torch.float64 and x.device.type != "cpu":
+        raise ValueError(f"x: float64 runs on the CPU only (the float64 reference), got a tensor on {x.device.type}")
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         check_dtype(name, w, x.dtype)
     M, H = x.shape

@@ -378,3 +378,37 @@ def test_generate_with_the_head_on_the_fused_op_equals_hf_greedy(monkeypatch):
         want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(got.sequences, want)
     assert 2 * 3 in rows_seen and len(set(rows_seen)) > 1, rows_seen  # the lanes' 2 x 3 rows, and chain steps
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_generate_with_the_target_on_the_fused_op_equals_hf_greedy(monkeypatch, family):
+    """Lossless end to end with the target's MLPs rewritten by the pass (post-attention norm and residual add
+    folded in), float64 on the CPU (the op's reference; the pass told CPU and float64 count): generate equals
+    HF greedy token for token, and every layer's MLP ran as the op (verify rows B x N <= 16)."""
+    from test_rewrite_attention import tiny_model
+
+    from treecompile.drafter import EagleDrafter
+    from treecompile.speculator import TreeSpeculator
+
+    monkeypatch.setattr(fuse_module, "_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(fuse_module, "_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
+    monkeypatch.setenv(mlp_op.FUSED_MLP_ENV, "1")
+    model = tiny_model(family, seed=2, vocab_size=24)
+    model.generation_config.eos_token_id = None
+    rows_seen = []
+    real = mlp_op.fused_mlp_reference
+
+    def spy(x, gate, up, down, norm_weight=None, residual=None, eps=0.0):  # the op's CPU path
+        rows_seen.append((x.shape[0], norm_weight is not None and residual is not None))
+        return real(x, gate, up, down, norm_weight, residual, eps)
+
+    monkeypatch.setattr(mlp_op, "fused_mlp_reference", spy)
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=2, steps=3, num_nodes=6,
+                          max_batch_size=2, max_seq_len=64, page_size=8)  # fmt: skip
+    spec.binding.skinny_linears = True  # the passes' few-row switch (the speculator refuses it on the CPU)
+    ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(4))
+    got = spec.generate(ids, max_new_tokens=12)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(got.sequences, want)
+    assert (12, True) in rows_seen, rows_seen  # the verify's 2 x 6 rows, norm folded in
