@@ -352,7 +352,8 @@ def _launch_fused_mlp(
         norm_weight if norm else x, residual if residual is not None else x, float(eps),
         M, H, I, x.stride(0), gate.stride(0), up.stride(0), down.stride(0),
         norm_weight.stride(0) if norm else 0, residual.stride(0) if residual is not None else 0,
-        NORM=norm, HAS_RESIDUAL=residual is not None, TMA=tma, EVEN_H=H % cfg.block_k == 0, EVEN_I=I % cfg.chunk == 0, EVEN_OUT=H % cfg.block_h == 0, PREC=prec,
+        NORM=norm, HAS_RESIDUAL=residual is not None, TMA=tma, EVEN_H=H % cfg.block_k == 0,
+        EVEN_I=I % cfg.chunk == 0, EVEN_OUT=H % cfg.block_h == 0, PREC=prec,
         USE_PDL=pdl, BLOCK_M=cfg.block_m, CHUNK=cfg.chunk, BLOCK_K=cfg.block_k, BLOCK_H=cfg.block_h,
         STAGES=cfg.num_stages, num_warps=cfg.num_warps, **extra,
     )  # fmt: skip
@@ -377,7 +378,8 @@ if HAS_TRITON:
     @triton.jit
     def _mlp_chunk_kernel(
         x, wg, wu, wd, ws, g_desc, u_desc, d_desc, nw, res, eps, M, H, I, s_xm, s_wg, s_wu, s_wd, s_nw, s_rm,
-        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TMA: tl.constexpr, EVEN_H: tl.constexpr, EVEN_I: tl.constexpr, EVEN_OUT: tl.constexpr, PREC: tl.constexpr,
+        NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TMA: tl.constexpr,
+        EVEN_H: tl.constexpr, EVEN_I: tl.constexpr, EVEN_OUT: tl.constexpr, PREC: tl.constexpr,
         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_H: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip

@@ -102,7 +102,12 @@ def _projections(gm, g, u):
     fused = split.args[0]
     proj = _plain_linear(fused)
     fused_value = _value(gm, proj[1]) if proj is not None else None
-    if proj is None or fused_value is None or fused_value.dim() != 2 or dim not in (-1, fused_value.dim()):
+    # the split must cut the fused output's last dim; that output (made by fuse_projections, no example value)
+    # has its input's rank
+    x_value = _value(gm, proj[0]) if proj is not None else None
+    if proj is None or fused_value is None or fused_value.dim() != 2 or x_value is None:
+        return None
+    if dim not in (-1, x_value.dim() - 1):
         return None
     half = fused_value.shape[0] // 2
     got = list(sizes) if isinstance(sizes, (list, tuple)) else [sizes, sizes]  # an int size: equal halves
@@ -150,9 +155,11 @@ def _rms_norm(gm, x, x_users):
     if not _call(var_eps, _ADD, 2) or var_eps.kwargs or not isinstance(var_eps.args[1], float):
         return None
     var, eps = var_eps.args
-    if not _method(var, "mean") or var.args[1:] not in ((-1,), ()) or var.kwargs not in ({"keepdim": True}, {"dim": -1, "keepdim": True}):
+    if not _method(var, "mean"):
         return None
-    if len(var.args) == 1 and "dim" not in var.kwargs:
+    positional = var.args[1:] == (-1,) and var.kwargs == {"keepdim": True}  # HF: .mean(-1, keepdim=True)
+    keyword = var.args[1:] == () and var.kwargs == {"dim": -1, "keepdim": True}
+    if not (positional or keyword):
         return None
     square = var.args[0]
     if not _method(square, "pow") or len(square.args) != 2 or square.args[1] != 2 or square.args[0] is not h32:
@@ -160,9 +167,28 @@ def _rms_norm(gm, x, x_users):
     s = _cast_input(h32, torch.float32)
     if s is None or set(h32.users) != {square, scaled}:
         return None
-    if not all(_sole_user(n, user) for n, user in ((cast, x), (scaled, cast), (rs, scaled), (var_eps, rs), (var, var_eps), (square, var))):
+    chain = ((cast, x), (scaled, cast), (rs, scaled), (var_eps, rs), (var, var_eps), (square, var))
+    if not all(_sole_user(n, user) for n, user in chain):
         return None
     return s, weight, float(eps), [x, cast, scaled, rs, var_eps, var, square, h32]
+
+
+def _prologue(gm, norm, x_value):
+    """(the op's x, its residual or None, norm weight node, eps, the norm's nodes) for a norm ``_rms_norm`` found,
+    when its weight is [H] of x's dtype and ``s`` is a residual add of two tensors shaped like x (the op takes
+    both; the add stays for its other users) or itself shaped like x; else None (the norm stays a kernel)."""
+    s, norm_w, eps, nodes = norm
+
+    def like_x(node) -> bool:
+        v = _value(gm, node)
+        return v is not None and v.shape == x_value.shape and v.dtype == x_value.dtype and v.device == x_value.device
+
+    w = _value(gm, norm_w)
+    if w is None or tuple(w.shape) != (x_value.shape[-1],) or w.dtype != x_value.dtype:
+        return None
+    if _call(s, _ADD, 2) and not s.kwargs and all(isinstance(t, torch.fx.Node) and like_x(t) for t in s.args):
+        return s.args[0], s.args[1], norm_w, eps, nodes
+    return (s, None, norm_w, eps, nodes) if like_x(s) else None
 
 
 def _rows(x_value, weights) -> int | None:
@@ -214,7 +240,8 @@ def fuse_mlp(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
         if M is None:
             continue
         H, I = x_value.shape[-1], down_value.shape[1]
-        if any(tuple(w.shape) != shape for w, shape in zip(weights[:-1], [(I, H)] * 2 if fused is None else [(2 * I, H)])):
+        want = [(I, H)] * 2 if fused is None else [(2 * I, H)]  # gate and up, or the fused [2I, H]
+        if any(tuple(w.shape) != shape for w, shape in zip(weights[:-1], want)):
             continue
         if tuple(down_value.shape) != (H, I):
             continue
@@ -222,46 +249,32 @@ def fuse_mlp(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
             continue  # unmeasured, or the unfused chain won: cuBLAS keeps it
         x_users = [n for n in removed if n.op == "call_function" and n.target in _LINEAR_TARGETS]
         norm = _rms_norm(gm, x, x_users) if mlp_op.fold_norm_wanted() else None
-        norm_args, norm_nodes, src, residual = (), [], x, None
-        if norm is not None:
-            s, norm_w, eps, norm_nodes = norm
-            nw_value = _value(gm, norm_w)
-            parts = s.args if _call(s, _ADD, 2) and not s.kwargs else None
-            values = [_value(gm, t) for t in parts] if parts else []
-            if parts and all(isinstance(t, torch.fx.Node) for t in parts) and all(
-                v is not None and v.shape == x_value.shape and v.dtype == x_value.dtype and v.device == x_value.device
-                for v in values
-            ):  # fmt: skip
-                src, residual = parts  # the residual add goes in too; s stays for its other users
-            else:
-                src = s
-            s_value = _value(gm, src)
-            if nw_value is None or tuple(nw_value.shape) != (H,) or nw_value.dtype != x_value.dtype or s_value is None or (
-                s_value.shape != x_value.shape or s_value.dtype != x_value.dtype
-            ):  # fmt: skip
-                norm, norm_nodes, src, residual = None, [], x, None
-            else:
-                norm_args = (norm_w, residual, eps)
+        prologue = _prologue(gm, norm, x_value) if norm is not None else None
+        src, residual = (prologue[0], prologue[1]) if prologue else (x, None)
         with graph.inserting_before(node):
             rows = graph.call_method("reshape", (src, M, H))
-            if residual is not None:
-                residual = graph.call_method("reshape", (residual, M, H))
-                norm_args = (norm_args[0], residual, norm_args[2])
+            norm_args = ()
+            if prologue:
+                if residual is not None:
+                    residual = graph.call_method("reshape", (residual, M, H))
+                norm_args = (prologue[2], residual, prologue[3])
             if fused is not None:  # the two halves of fuse_projections' [2I, H] weight, as views
                 gate_w = graph.call_function(torch.narrow, (fused[0], 0, 0, I))
                 up_w = graph.call_function(torch.narrow, (fused[0], 0, I, I))
             sources = [fused[0]] if fused is not None else [gate_w, up_w]
-            constant = all(isinstance(w, torch.fx.Node) and w.op in ("get_attr", "placeholder") for w in [*sources, down_w])
-            out = graph.call_function(torch.ops.treespec.fused_mlp.default, (rows, gate_w, up_w, down_w, constant, *norm_args))
+            constant = all(isinstance(w, torch.fx.Node) and w.op in ("get_attr", "placeholder")
+                           for w in [*sources, down_w])  # fmt: skip
+            args = (rows, gate_w, up_w, down_w, constant, *norm_args)
+            out = graph.call_function(torch.ops.treespec.fused_mlp.default, args)
             y = graph.call_method("reshape", (out, *x_value.shape[:-1], H))
         y.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace")})
         for new in (rows, out):
             new.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
         node.replace_all_uses_with(y)
-        for dead in [node, h, act, *removed, *norm_nodes]:
+        for dead in [node, h, act, *removed, *(prologue[4] if prologue else [])]:
             graph.erase_node(dead)
         count += 1
-        normed += norm is not None
+        normed += prologue is not None
     if count:
         graph.lint()
         gm.recompile()
