@@ -1,6 +1,8 @@
 """treespec::fused_mlp against the unfused MLP chain on cold weights, per few-row MLP shape a round runs (H200, bf16).
 
-    python3 tests/gpu/mlp_sweep.py out.json [quick|full|smoke]    # 12 / 52 (default) / 432 tile configs a shape
+    python3 tests/gpu/mlp_sweep.py out.json [quick|full|smoke] [LABEL]  # 12 / 52 (default) / 432 tile configs a
+                                                                         # shape; LABEL: only shapes whose label
+                                                                         # holds it ("8b")
 
 A forward streams every weight once, so each timing runs one CUDA graph that calls the MLP over enough
 distinct weight copies to exceed the 50 MB L2 four times (the weights come from HBM, as in a round), and
@@ -123,6 +125,8 @@ def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "mlp_sweep.json"
     mode = sys.argv[2] if len(sys.argv) > 2 else ""
     cases = CASES
+    if len(sys.argv) > 3:  # a label filter, e.g. "8b" for a short device call
+        cases = [c for c in cases if sys.argv[3] in c[1]]
     if mode == "smoke":  # the CPU interpreter (TRITON_INTERPRET=1); float16: its tl.dot misreads bfloat16
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (3, "smoke b", 24, 64)]
     torch.manual_seed(0)

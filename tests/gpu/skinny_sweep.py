@@ -31,7 +31,8 @@ batch-4 decode), the verify of a (4, 4, 16) tree (16 rows) and of a (4, 6, 32) o
 shapes and the shipped head's (q/k/v over its 2 x 576 input, fc, the 12288-id LM head); per shape cuBLAS, the
 shipped choice, MMA tiles over 1-4 splits of K, and for <= 16 rows the gemv kernel as a dependent launch.
 
-    python3 tests/gpu/skinny_sweep.py out.json pipe|pipe-smoke [ROWS]   # ROWS: "1,4" (default)
+    python3 tests/gpu/skinny_sweep.py out.json pipe|pipe-smoke [ROWS] [LABEL]   # ROWS: "1,4" (default); LABEL:
+                                                                               # only labels holding it ("8b")
 
 ``pipe``: the gemv kernel with its compiler-pipelined loop (``pipeline=True``: async copies, NUM_STAGES - 1 tiles
 in flight, where the register double buffer has one and compiles to no async copy) as a dependent launch, over
@@ -119,6 +120,8 @@ def main() -> None:
     if pipe:  # argv[3]: the row counts (default 1,4); the biggest weights first within a row count
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "1,4").split(",")]
         shapes = LLAMA8B + LLAMA8B_HEAD + SMOL + SMOL_HEAD_SHIPPED
+        if len(sys.argv) > 4:  # a label filter, e.g. "8b" for a short device call
+            shapes = [sh for sh in shapes if sys.argv[4] in sh[0]]
         cases = [(m, *sh) for m in rows for sh in sorted(shapes, key=lambda sh: -sh[1] * sh[2])]
     if mid:  # argv[3]: the row counts (default 4,16,32); the biggest weights first within a row count
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "4,16,32").split(",")]
