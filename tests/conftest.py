@@ -33,6 +33,22 @@ def poisoned(shape, dtype, device="cpu"):
     return torch.full(shape, -(2**31) + 7, dtype=dtype, device=device)
 
 
+def gpu_script(name: str):
+    """A ``tests/gpu/NAME.py`` device script loaded as a module (its smoke modes run on the CPU), with
+    ``tests/gpu`` importable for the scripts' own imports of each other."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    folder = pathlib.Path(__file__).resolve().parent / "gpu"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def kernel_device():
     """Where Triton launchers run in this session: CUDA when present, else CPU under the interpreter."""

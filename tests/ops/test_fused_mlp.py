@@ -304,17 +304,14 @@ def test_bfloat16_8b_shape_on_cuda(M):
 def test_gpu_sweep_script_smoke(tmp_path, monkeypatch):
     """tests/gpu/mlp_sweep.py's smoke mode (interpreter, two tiny shapes): every config is checked against
     float64 and timed, and its JSON rows load into the measured table. Keeps the device script runnable."""
-    import importlib.util
     import json
-    import pathlib
     import sys
 
-    script = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "mlp_sweep.py"
-    spec = importlib.util.spec_from_file_location("mlp_sweep", script)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    from conftest import gpu_script
+
+    sweep = gpu_script("mlp_sweep")
     out = tmp_path / "mlp.json"
-    monkeypatch.setattr(sys, "argv", [str(script), str(out), "smoke"])
+    monkeypatch.setattr(sys, "argv", ["mlp_sweep.py", str(out), "smoke"])
     monkeypatch.setattr(fm, "_MEASURED", {})
     sweep.main()
     rows = json.loads(out.read_text())
@@ -345,14 +342,11 @@ def test_bfloat16_8b_shape_with_norm_on_cuda(M):
 def test_variant_installs_a_sweep_as_wins_or_as_it_was_measured(tmp_path, monkeypatch):
     """tests/gpu/variant.py --mlp-table installs a sweep's rows as measured (a shape that lost stays unfused);
     --mlp-table-all counts every swept shape's best tiles as a win (a round-level A/B of the op)."""
-    import importlib.util
     import json
-    import pathlib
 
-    script = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "variant.py"
-    spec = importlib.util.spec_from_file_location("variant", script)
-    variant = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variant)
+    from conftest import gpu_script
+
+    variant = gpu_script("variant")
     best = dict(chunk=32, block_k=64, block_h=64, num_warps=4, num_stages=3, reduce_block=32, reduce_chunks=0)
     rows = [dict(M=1, H=64, I=96, unfused_us=10.0, best=dict(best, us=12.0)),
             dict(M=4, H=64, I=96, unfused_us=10.0, best=dict(best, us=8.0, tma=True))]  # fmt: skip

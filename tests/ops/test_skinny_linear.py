@@ -471,19 +471,16 @@ def test_counter_tables_are_one_per_owner_and_never_resized():
 def test_pipe_sweep_smoke(tmp_path, monkeypatch):
     """tests/gpu/skinny_sweep.py's ``pipe`` mode (interpreter, two tiny shapes): the pipelined gemv configs
     run, check against F.linear and are timed next to the shipped choice; the rows load into the table."""
-    import importlib.util
     import json
-    import pathlib
     import sys
+
+    from conftest import gpu_script
 
     from treecompile.ops import skinny_linear
 
-    script = pathlib.Path(__file__).resolve().parents[1] / "gpu" / "skinny_sweep.py"
-    spec = importlib.util.spec_from_file_location("skinny_sweep", script)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    sweep = gpu_script("skinny_sweep")
     out = tmp_path / "pipe.json"
-    monkeypatch.setattr(sys, "argv", [str(script), str(out), "pipe-smoke"])
+    monkeypatch.setattr(sys, "argv", ["skinny_sweep.py", str(out), "pipe-smoke"])
     monkeypatch.setattr(skinny_linear, "_MEASURED", dict(skinny_linear._MEASURED))
     sweep.main()
     rows = json.loads(out.read_text())
