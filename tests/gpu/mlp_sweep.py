@@ -199,7 +199,9 @@ def main() -> None:
             f"{ {k: best[k] for k in ('chunk', 'block_k', 'block_h', 'num_warps', 'num_stages', 'reduce_block', 'tma')} if best else ''} | "
             f"{sum('error' in c for c in configs)} of {len(configs)} configs failed | with the norm: unfused "
             f"{row['unfused_norm_us']:7.2f}, fused best "
-            f"{row['best_norm']['us'] if row['best_norm'] else float('nan'):7.2f} | {time.time() - t0:.0f} s",
+            f"{row['best_norm']['us'] if row['best_norm'] else float('nan'):7.2f} | / floor: shipped chain "
+            f"{row['unfused_us'] / row['floor_us']:.2f}, fused best "
+            f"{(best['us'] if best else float('nan')) / row['floor_us']:.2f} | {time.time() - t0:.0f} s",
             flush=True,
         )  # fmt: skip
         with open(path, "w") as f:  # after every shape: a sweep cut short keeps what it measured
