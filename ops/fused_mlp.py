@@ -73,7 +73,7 @@ if HAS_TRITON:
     import triton.language as tl
 
 __all__ = [
-    "fused_mlp", "fused_mlp_reference", "mlp_rows", "MlpConfig", "choose_mlp_config", "measured_mlp_tiles",
+    "fused_mlp", "fused_mlp_reference", "mlp_applies", "MlpConfig", "choose_mlp_config", "measured_mlp_tiles",
     "register_mlp_tiles", "fused_mlp_wanted", "fold_norm_wanted", "MAX_ROWS", "FUSED_MLP_ENV", "FUSED_MLP_NORM_ENV",
 ]
 
@@ -154,30 +154,33 @@ def _check_inputs(
     check_same_device(**devices)
 
 
+FUSED_MLP_NORM_ENV = "TREECOMPILE_FUSED_MLP_NORM"
+
+
+def _switch(name: str, default: bool) -> bool:
+    """A 0 / 1 environment switch, ``default`` when unset; anything else is refused by name."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+    return default if value == "" else value == "1"
+
+
 def fused_mlp_wanted() -> bool:
     """``TREECOMPILE_FUSED_MLP=1``: run the fused MLP for every qualifying shape, measured or not (A/B runs)."""
-    value = os.environ.get(FUSED_MLP_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{FUSED_MLP_ENV}: expected 0 or 1, got {value!r}")
-    return value == "1"
-
-
-FUSED_MLP_NORM_ENV = "TREECOMPILE_FUSED_MLP_NORM"
+    return _switch(FUSED_MLP_ENV, False)
 
 
 def fold_norm_wanted() -> bool:
     """Whether callers of the fused MLP fold the RMSNorm (and residual add) before it into the op: yes unless
     ``TREECOMPILE_FUSED_MLP_NORM=0`` (A/B runs)."""
-    value = os.environ.get(FUSED_MLP_NORM_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{FUSED_MLP_NORM_ENV}: expected 0 or 1, got {value!r}")
-    return value != "0"
+    return _switch(FUSED_MLP_NORM_ENV, True)
 
 
 def mlp_applies(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether ``mlp_rows`` takes the fused op for these tensors (static metadata only): 16-bit CUDA tensors of
-    one dtype, 1..MAX_ROWS rows (the product of x's leading dims), 2-d weights of matching shapes with
-    contiguous last dims, and a measured entry for the shape (or ``TREECOMPILE_FUSED_MLP=1``)."""
+    """Whether a caller (the drafter's MLP) should take the fused op for these tensors (static metadata only):
+    16-bit CUDA tensors of one dtype, 1..MAX_ROWS rows (the product of x's leading dims), 2-d weights of
+    matching shapes with contiguous last dims, and a measured entry for the shape (or
+    ``TREECOMPILE_FUSED_MLP=1``)."""
     H = int(x.shape[-1])  # ints: under a dynamic-shape trace this specializes instead of guarding symbolically
     M = 1
     for d in x.shape[:-1]:
@@ -192,16 +195,6 @@ def mlp_applies(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     if any(w.stride(1) != 1 for w in (gate, up, down)) or x.stride(-1) != 1:
         return False
     return fused_mlp_wanted() or measured_mlp_tiles(M, H, I) is not None
-
-
-def mlp_rows(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` for ``x [..., H]``: through ``treespec::fused_mlp`` where
-    :func:`mlp_applies` holds, else the three linears (as an HF ``LlamaMLP`` runs them)."""
-    if mlp_applies(x, gate, up, down):
-        H = x.shape[-1]
-        out = torch.ops.treespec.fused_mlp(x.reshape(-1, H), gate, up, down, True)  # a module's own weights
-        return out.reshape(x.shape)
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -311,10 +304,9 @@ def measured_mlp_tiles(M: int, H: int, I: int) -> MlpConfig | None:
     if not swept:
         return None
     _, entry = min(swept, key=lambda item: item[0])
-    chunk, block_k, block_h, warps, stages, reduce_block, reduce_chunks, us, unfused_us = entry[:9]
+    chunk, block_k, block_h, warps, stages, reduce_block, reduce_chunks, us, unfused_us, tma = entry
     if us > WIN_MARGIN * unfused_us:
         return None
-    tma = bool(entry[9]) if len(entry) > 9 else False
     return MlpConfig(16, chunk, block_k, block_h, warps, stages, reduce_block, reduce_chunks, tma)
 
 
@@ -334,7 +326,7 @@ def _launch_fused_mlp(
     _check_config(cfg, M)
     chunks = triton.cdiv(I, cfg.chunk)
     ws = torch.empty((chunks, M, H), dtype=torch.float32, device=x.device)
-    pdl = pdl_enabled(x.device) and x.device.type == "cuda"
+    pdl = pdl_enabled(x.device)  # never on the CPU or in the interpreter
     extra = dict(launch_pdl=True) if pdl else {}
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     norm = norm_weight is not None

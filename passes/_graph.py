@@ -39,6 +39,20 @@ def example_shape(node) -> tuple | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
 
+def node_value(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
+    """The tensor a node stands for: a ``get_attr`` constant's own tensor, else its Dynamo example value."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    value = getattr(gm, node.target, None) if node.op == "get_attr" else node.meta.get("example_value")
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def is_constant(node) -> bool:
+    """A graph input or constant (a parameter or buffer): never written by the kernel just before a use, so a
+    dependent launch may read it ahead of its dependency wait."""
+    return isinstance(node, torch.fx.Node) and node.op in ("get_attr", "placeholder")
+
+
 def example_dtype(node) -> torch.dtype | None:
     value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
     return value.dtype if isinstance(value, torch.Tensor) else None

@@ -32,6 +32,7 @@ import torch.fx
 
 from treecompile.ops import fused_mlp as mlp_op
 
+from ._graph import is_constant, node_value
 from .fuse_projections import _LINEAR as _LINEAR_TARGETS
 from .fuse_projections import _linear_args
 
@@ -39,19 +40,12 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _DEVICE_TYPES = ("cuda",)  # the op's Triton path (tests on a CPU-only machine add "cpu": the op's reference)
-_SILU = {torch.nn.functional.silu, torch.ops.aten.silu.default}
-_MUL = {operator.mul, torch.mul, torch.ops.aten.mul.Tensor}
-_SPLIT = {torch.split, torch.functional.split}
+# the targets Dynamo records for HF's MLP and RMSNorm (the pass runs on Dynamo's torch-level graph)
+_SILU = {torch.nn.functional.silu}
+_MUL = {operator.mul, torch.mul}
 _ADD = {operator.add, torch.add}
-_RSQRT = {torch.rsqrt, torch.ops.aten.rsqrt.default}
+_RSQRT = {torch.rsqrt}
 NORM_ENV = mlp_op.FUSED_MLP_NORM_ENV
-
-
-def _value(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    value = getattr(gm, node.target, None) if node.op == "get_attr" else node.meta.get("example_value")
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _sole_user(node, user) -> bool:
@@ -80,7 +74,7 @@ def _split_half(node):
     if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target is not operator.getitem:
         return None
     parts, index = node.args
-    if not isinstance(parts, torch.fx.Node) or parts.op != "call_function" or parts.target not in _SPLIT:
+    if not isinstance(parts, torch.fx.Node) or parts.op != "call_function" or parts.target is not torch.split:
         return None
     return parts, index
 
@@ -101,10 +95,10 @@ def _projections(gm, g, u):
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     fused = split.args[0]
     proj = _plain_linear(fused)
-    fused_value = _value(gm, proj[1]) if proj is not None else None
+    fused_value = node_value(gm, proj[1]) if proj is not None else None
     # the split must cut the fused output's last dim; that output (made by fuse_projections, no example value)
     # has its input's rank
-    x_value = _value(gm, proj[0]) if proj is not None else None
+    x_value = node_value(gm, proj[0]) if proj is not None else None
     if proj is None or fused_value is None or fused_value.dim() != 2 or x_value is None:
         return None
     if dim not in (-1, x_value.dim() - 1):
@@ -141,8 +135,8 @@ def _rms_norm(gm, x, x_users):
         return None
     a, b = x.args
     weight, cast = (a, b) if _method(b, "to") else (b, a)
-    w_value = _value(gm, weight)
-    if w_value is None or weight.op not in ("get_attr", "placeholder") or w_value.dim() != 1:
+    w_value = node_value(gm, weight)
+    if w_value is None or not is_constant(weight) or w_value.dim() != 1:
         return None
     scaled = _cast_input(cast, w_value.dtype)
     if scaled is None or not _call(scaled, _MUL, 2) or scaled.kwargs:
@@ -180,10 +174,10 @@ def _prologue(gm, norm, x_value):
     s, norm_w, eps, nodes = norm
 
     def like_x(node) -> bool:
-        v = _value(gm, node)
+        v = node_value(gm, node)
         return v is not None and v.shape == x_value.shape and v.dtype == x_value.dtype and v.device == x_value.device
 
-    w = _value(gm, norm_w)
+    w = node_value(gm, norm_w)
     if w is None or tuple(w.shape) != (x_value.shape[-1],) or w.dtype != x_value.dtype:
         return None
     if _call(s, _ADD, 2) and not s.kwargs and all(isinstance(t, torch.fx.Node) and like_x(t) for t in s.args):
@@ -230,12 +224,12 @@ def fuse_mlp(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
         if found is None:
             continue
         x, gate_w, up_w, removed, fused = found
-        x_value, down_value = _value(gm, x), _value(gm, down_w)
+        x_value, down_value = node_value(gm, x), node_value(gm, down_w)
         if fused is not None:
-            fused_value = _value(gm, fused[0])
+            fused_value = node_value(gm, fused[0])
             weights = [fused_value, down_value]
         else:
-            weights = [_value(gm, gate_w), _value(gm, up_w), down_value]
+            weights = [node_value(gm, gate_w), node_value(gm, up_w), down_value]
         M = _rows(x_value, weights)
         if M is None:
             continue
@@ -262,8 +256,7 @@ def fuse_mlp(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
                 gate_w = graph.call_function(torch.narrow, (fused[0], 0, 0, I))
                 up_w = graph.call_function(torch.narrow, (fused[0], 0, I, I))
             sources = [fused[0]] if fused is not None else [gate_w, up_w]
-            constant = all(isinstance(w, torch.fx.Node) and w.op in ("get_attr", "placeholder")
-                           for w in [*sources, down_w])  # fmt: skip
+            constant = all(is_constant(w) for w in [*sources, down_w])
             args = (rows, gate_w, up_w, down_w, constant, *norm_args)
             out = graph.call_function(torch.ops.treespec.fused_mlp.default, args)
             y = graph.call_method("reshape", (out, *x_value.shape[:-1], H))

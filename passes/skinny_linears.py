@@ -24,6 +24,7 @@ import torch.fx
 from treecompile.ops import skinny_linear as skinny_op
 from treecompile.ops.skinny_linear import MAX_ROWS
 
+from ._graph import is_constant, node_value
 from .fuse_projections import _linear_args
 
 logger = logging.getLogger(__name__)
@@ -32,22 +33,15 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _DEVICE_TYPES = ("cuda",)  # the op's Triton path (tests on a CPU-only machine add "cpu": the op's reference)
 
 
-def _value(gm: torch.fx.GraphModule, node) -> torch.Tensor | None:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    value = getattr(gm, node.target, None) if node.op == "get_attr" else node.meta.get("example_value")
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _skinny_rows(gm, x, weight, bias) -> int | None:
     """M when this linear qualifies (module docstring), else None."""
-    xv, wv = _value(gm, x), _value(gm, weight)
+    xv, wv = node_value(gm, x), node_value(gm, weight)
     if xv is None or wv is None or xv.dim() < 1 or wv.dim() != 2:
         return None
     if xv.device.type not in _DEVICE_TYPES or xv.dtype not in _DTYPES or wv.dtype != xv.dtype or wv.device != xv.device:
         return None
     if bias is not None:
-        bv = _value(gm, bias)
+        bv = node_value(gm, bias)
         if bv is None or bv.dtype != xv.dtype or bv.dim() != 1:
             return None
     lead = xv.shape[:-1]
@@ -75,14 +69,14 @@ def skinny_linears(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
         M = _skinny_rows(gm, x, weight, bias)
         if M is None:
             continue
-        xv, wv = _value(gm, x), _value(gm, weight)
+        xv, wv = node_value(gm, x), node_value(gm, weight)
         K, N = xv.shape[-1], wv.shape[0]
         with graph.inserting_before(node):
             # reshape (not view): a strided input is copied to the [M, K] rows the op reads
             rows = graph.call_method("reshape", (x, M, K))
             # a graph input or constant is a parameter, never written by the kernel just before: a
             # dependent launch may prefetch it (ops/skinny_linear.py, constant_weight)
-            constant = isinstance(weight, torch.fx.Node) and weight.op in ("get_attr", "placeholder")
+            constant = is_constant(weight)
             out = graph.call_function(torch.ops.treespec.skinny_linear.default, (rows, weight, bias, constant))
             y = graph.call_method("reshape", (out, *xv.shape[:-1], N))
         y.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace")})

@@ -13,7 +13,7 @@ from conftest import poisoned
 
 from treecompile.ops import fused_mlp as fm
 from treecompile.ops.fused_mlp import (
-    MAX_ROWS, MlpConfig, _launch_fused_mlp, choose_mlp_config, fused_mlp_reference, measured_mlp_tiles, mlp_rows,
+    MAX_ROWS, MlpConfig, _launch_fused_mlp, choose_mlp_config, fused_mlp_reference, measured_mlp_tiles,
     register_mlp_tiles,
 )
 
@@ -165,14 +165,6 @@ def test_op_on_cpu_is_the_reference_and_its_fake_agrees():
     with torch._subclasses.FakeTensorMode() as mode:
         fake = torch.ops.treespec.fused_mlp(*(mode.from_tensor(t) for t in (x, gate, up, down)))
     assert fake.shape == (2, 32) and fake.dtype == torch.float32
-
-
-def test_mlp_rows_is_the_unfused_mlp_off_cuda():
-    """mlp_rows falls back to the three linears (HF LlamaMLP's computation) wherever the op does not apply."""
-    x, gate, up, down = _inputs(6, 32, 48, torch.float32, seed=7)
-    x = x.reshape(2, 3, 32)
-    want = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
-    assert torch.equal(mlp_rows(x, gate, up, down), want)
 
 
 @pytest.mark.parametrize(

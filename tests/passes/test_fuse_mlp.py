@@ -62,7 +62,7 @@ def cpu_counts(monkeypatch):
     monkeypatch.setattr(mlp_op, "_MEASURED", {})
     monkeypatch.delenv(mlp_op.FUSED_MLP_ENV, raising=False)
     for M in (1, 16):
-        mlp_op._MEASURED[(M, H, I)] = (16, 16, 16, 4, 2, 16, 4, 8.0, 10.0)
+        mlp_op._MEASURED[(M, H, I)] = (16, 16, 16, 4, 2, 16, 4, 8.0, 10.0, False)
 
 
 def test_the_pass_runs_before_skinny_linears():
@@ -152,7 +152,7 @@ def test_unmeasured_shapes_wait_for_the_table_or_the_switch(cpu_counts, monkeypa
     gate, up, down = weights()
     mlp_op._MEASURED.clear()
     assert not calls(fuse_mlp(capture(separate, rows(4), gate, up, down), ON))
-    mlp_op._MEASURED[(16, H, I)] = (16, 16, 16, 4, 2, 16, 4, 9.9, 10.0)  # within 2% of the chain: unfused
+    mlp_op._MEASURED[(16, H, I)] = (16, 16, 16, 4, 2, 16, 4, 9.9, 10.0, False)  # within 2% of the chain: unfused
     assert not calls(fuse_mlp(capture(separate, rows(4), gate, up, down), ON))
     monkeypatch.setenv(mlp_op.FUSED_MLP_ENV, "1")
     assert len(calls(fuse_mlp(capture(separate, rows(4), gate, up, down), ON))) == 1
