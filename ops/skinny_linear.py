@@ -573,8 +573,6 @@ if HAS_TRITON:
                 acc += xt[:, None, :] * wt[None, :, :]
                 x_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
-            y = tl.sum(acc, axis=2)
-            _split_k_store(y, b, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
         else:
             if USE_PDL and not PREFETCH:
                 tl.extra.cuda.gdc_wait()  # the weight itself may be the previous kernel's output
@@ -593,8 +591,8 @@ if HAS_TRITON:
                 wt = w_next
                 x_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
-            y = tl.sum(acc, axis=2)
-            _split_k_store(y, b, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
+        y = tl.sum(acc, axis=2)
+        _split_k_store(y, b, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
 
 
 # --------------------------------------------------------------------------------------------------
