@@ -49,6 +49,7 @@ Only metadata is checked at the boundary: no host sync, safe under CUDA-graph ca
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ if HAS_TRITON:
 
 __all__ = [
     "skinny_linear", "skinny_linear_reference", "linear_rows", "SkinnyConfig", "choose_skinny_config",
-    "measured_tiles", "register_tiles", "gemv_config", "MAX_ROWS", "GEMV_MAX_ROWS",
+    "measured_tiles", "register_tiles", "gemv_config", "gpu_class", "MAX_ROWS", "GEMV_MAX_ROWS",
 ]
 
 MAX_ROWS = 256
@@ -243,6 +244,29 @@ _MEASURED: dict[tuple[int, int, int], tuple] = {
     (128, 49152, 576): (64, 64, 4, 3, 22.44, 21.47, "dot", 1, 0, 128),
     (256, 49152, 576): (64, 64, 4, 3, 42.74, 28.30, "dot", 1, 0, 128),
 }
+# Entries of one GPU class laid over the table above on that GPU (``gpu_class``); a (M, N, K) key here replaces
+# the H200's. H100: the pipelined gemv (tuple index 10) measured by ``skinny_sweep.py pipe 1,4 8b`` on an H100
+# (copy 2.43 TB/s): notes/gpu-2026-12-05-s39/pipe_sweep.json. At one row it beats cuBLAS on every 8B weight by
+# 7-21%; at four rows the heads' LM projection (-7%), o (-4%), down and fc (-2%) clear the 2% margin, while
+# gate/up and qkv stay on cuBLAS.
+_MEASURED_BY_GPU: dict[str, dict[tuple[int, int, int], tuple]] = {
+    "H100 SXM": {
+        (1, 6144, 4096): (4, 1024, 8, 6, 19.14, 21.26, "gemv_pdl", 1, 0, 0, True),  # Llama-8B qkv
+        (1, 4096, 4096): (8, 512, 4, 3, 13.30, 16.82, "gemv_pdl", 1, 0, 0, True),  # Llama-8B o
+        (1, 28672, 4096): (4, 1024, 8, 6, 77.25, 82.80, "gemv_pdl", 1, 0, 0, True),  # Llama-8B gate/up
+        (1, 4096, 14336): (8, 512, 4, 3, 41.63, 45.03, "gemv_pdl", 1, 0, 0, True),  # Llama-8B down
+        (1, 4096, 12288): (8, 512, 4, 3, 36.11, 39.85, "gemv_pdl", 1, 0, 0, True),  # 8B EAGLE-3 head: fc
+        (1, 32000, 4096): (4, 1024, 8, 6, 85.60, 97.38, "gemv_pdl", 1, 0, 0, True),  # 8B EAGLE-3 head: LM head
+        (4, 6144, 4096): (8, 512, 4, 3, 21.89, 21.44, "gemv_pdl", 1, 0, 0, True),
+        (4, 4096, 4096): (4, 512, 4, 4, 15.98, 16.56, "gemv_pdl", 1, 0, 0, True),
+        (4, 28672, 4096): (4, 512, 4, 6, 81.85, 82.94, "gemv_pdl", 1, 0, 0, True),
+        (4, 4096, 14336): (8, 256, 4, 4, 44.51, 45.56, "gemv_pdl", 1, 0, 0, True),
+        (4, 4096, 12288): (8, 256, 4, 4, 39.03, 39.92, "gemv_pdl", 1, 0, 0, True),
+        (4, 32000, 4096): (4, 512, 4, 6, 90.88, 98.21, "gemv_pdl", 1, 0, 0, True),
+    },
+}
+# Rows added at run time by ``register_tiles``: over both tables above, whatever the GPU.
+_REGISTERED: dict[tuple[int, int, int], tuple] = {}
 MAX_SPLIT_K = 16
 MAX_SLICES = 1 << 16  # output slices x row blocks one split-K launch may count in the counter table
 WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise of the sweep is ~1%)
@@ -281,12 +305,37 @@ def register_tiles(rows) -> int:
         pipeline = bool(best.get("pipeline", False))
         if pipeline and kind == "dot":
             raise ValueError(f"rows: best.pipeline is for the gemv kernels, got kind 'dot' for {r['M'], r['N'], r['K']}")
-        _MEASURED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
+        _REGISTERED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
             float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m, pipeline,
         )  # fmt: skip
         added += 1
     return added
+
+
+# A GPU class of ``_MEASURED_BY_GPU`` and what its device name holds. Only the part measured: the PCIe and NVL
+# H100s have other bandwidths and SM counts, so the H200's table serves them until swept.
+_GPU_NAMES = {"H100 SXM": "H100 80GB HBM3"}
+
+
+@functools.cache
+def _gpu_class_of(index: int) -> str | None:
+    name = torch.cuda.get_device_name(index)
+    return next((cls for cls, part in _GPU_NAMES.items() if part in name), None)
+
+
+def gpu_class() -> str | None:
+    """The current CUDA device's key in ``_MEASURED_BY_GPU`` ("H100 SXM" for an "NVIDIA H100 80GB HBM3"), or
+    None (no CUDA, or a GPU with no table of its own: the H200's table serves it)."""
+    if not torch.cuda.is_available():
+        return None
+    return _gpu_class_of(torch.cuda.current_device())
+
+
+def _table() -> dict[tuple[int, int, int], tuple]:
+    """The measured entries this process uses: the H200's, this GPU's own over them, registered rows over all."""
+    own = _MEASURED_BY_GPU.get(gpu_class(), {})
+    return {**_MEASURED, **own, **_REGISTERED} if own or _REGISTERED else _MEASURED
 
 
 def _kind(entry: tuple) -> str:
@@ -301,7 +350,7 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
         return None
     # A gemv entry of <= 8 rows stands in for up to 8 (the kernel's limit until the twenty-seventh session);
     # 9-16 rows take a gemv entry only from a sweep at 9-16 rows (a bigger accumulator than 8 rows times)
-    swept = [(m, v) for (m, n, k), v in _MEASURED.items() if n == N and k == K and _band(m) == _band(M)
+    swept = [(m, v) for (m, n, k), v in _table().items() if n == N and k == K and _band(m) == _band(M)
              and (_kind(v) == "dot" or M <= 8 or (m > 8 and M <= GEMV_MAX_ROWS))]  # fmt: skip
     if not swept:
         return None

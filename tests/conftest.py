@@ -26,6 +26,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _registered_tiles_stay_in_their_test(monkeypatch):
+    """``register_tiles`` adds to a module-level table for the whole process: each test starts from none."""
+    from treecompile.ops import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "_REGISTERED", {})
+
+
 def poisoned(shape, dtype, device="cpu"):
     """A fresh tensor whose every element fails a comparison if a kernel forgets to write it."""
     if dtype.is_floating_point:

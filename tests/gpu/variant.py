@@ -1,9 +1,11 @@
 """Run a module or script under one A/B variant of the round (GPU tuning runs, branch next/merged2).
 
-    python3 tests/gpu/variant.py [--table SWEEP.json] [--mlp-table[-all] MLP.json] [--no-fold] [--inductor KEY=VALUE ...] TARGET [args...]
+    python3 tests/gpu/variant.py [--table SWEEP.json] [--no-gpu-table] [--mlp-table[-all] MLP.json] [--no-fold] [--inductor KEY=VALUE ...] TARGET [args...]
 
 ``--table``: a ``tests/gpu/skinny_sweep.py`` JSON is added to ``skinny_linear``'s measured table
 (``register_tiles``): its shapes use their best tiles where they beat cuBLAS, and stay on cuBLAS where not.
+``--no-gpu-table``: this GPU's own measured entries (``skinny_linear._MEASURED_BY_GPU``) are dropped, so the
+H200's table serves it (the baseline of an A/B of those entries).
 ``--mlp-table``: a ``tests/gpu/mlp_sweep.py`` JSON is added to ``fused_mlp``'s measured table
 (``register_mlp_tiles``): its shapes run the fused MLP with their best tiles where it beat the unfused chain.
 ``--mlp-table-all``: the same, but every swept shape runs the fused MLP with its best tiles, won or lost (a
@@ -92,6 +94,9 @@ def main() -> None:
         flag = args.pop(0)
         if flag == "--table":
             print(f"variant: {install_table(args.pop(0))} swept shapes installed", flush=True)
+        elif flag == "--no-gpu-table":
+            print(f"variant: {skinny_linear.gpu_class()}'s own tiles dropped", flush=True)
+            skinny_linear._MEASURED_BY_GPU.clear()
         elif flag in ("--mlp-table", "--mlp-table-all"):
             count = install_mlp_table(args.pop(0), every_shape=flag == "--mlp-table-all")
             print(f"variant: {count} fused-MLP shapes installed ({flag})", flush=True)

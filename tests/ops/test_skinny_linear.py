@@ -489,3 +489,28 @@ def test_pipe_sweep_smoke(tmp_path, monkeypatch):
         piped = [c for c in r["top"] if c["pipeline"]]
         assert len(piped) == 2 and all(c["kind"] == "gemv_pdl" and c["max_err"] < 0.05 for c in piped)
     assert skinny_linear.register_tiles(rows) == 2
+
+
+def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
+    """On a GPU with its own entries (``_MEASURED_BY_GPU``) those replace the H200's for the same (M, N, K) and the
+    rest still serve; registered rows win over both; with no CUDA device (or an unlisted GPU) the H200 table
+    alone serves."""
+    from treecompile.ops import skinny_linear
+
+    assert skinny_linear.gpu_class() is None or torch.cuda.is_available()
+    h200 = skinny_linear.measured_tiles(1, 28672, 4096)  # 8B gate/up at one row: cuBLAS won on the H200
+    assert h200 is None and skinny_linear.measured_tiles(1, 4096, 4096).pipeline is False
+    monkeypatch.setattr(skinny_linear, "gpu_class", lambda: "H100 SXM")
+    cfg = skinny_linear.measured_tiles(1, 28672, 4096)
+    assert cfg.gemv and cfg.pdl and cfg.pipeline and (cfg.block_n, cfg.block_k, cfg.num_stages) == (4, 1024, 6)
+    assert skinny_linear.measured_tiles(3, 28672, 4096) is None  # its 4-row entry is within 2% of cuBLAS
+    assert skinny_linear.measured_tiles(1, 960, 576).pipeline is False  # SmolLM2: the H200 entry serves
+    row = dict(M=1, N=28672, K=4096, cublas_us=80.0, best=dict(block_n=8, block_k=512, warps=4, stages=3, us=90.0,
+                                                              kind="gemv_pdl"))  # fmt: skip
+    assert skinny_linear.register_tiles([row]) == 1
+    assert skinny_linear.measured_tiles(1, 28672, 4096) is None  # the registered row: slower than cuBLAS
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA A100-SXM4-80GB"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index, name=name: name)
+        skinny_linear._gpu_class_of.cache_clear()
+        assert skinny_linear._gpu_class_of(0) == ("H100 SXM" if "HBM3" in name else None), name
+    skinny_linear._gpu_class_of.cache_clear()
