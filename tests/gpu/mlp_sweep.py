@@ -25,6 +25,7 @@ Rows carry ``M, H, I, unfused_us, best`` for ``ops/fused_mlp.register_mlp_tiles`
 --mlp-table out.json`` installs them for a round's A/B). ``smoke``: the CPU interpreter, two tiny shapes.
 """
 
+import dataclasses
 import itertools
 import json
 import os
@@ -102,16 +103,15 @@ def grid(mode: str, H: int, I: int) -> list[MlpConfig]:
         chunks, block_ks, block_hs, warps = (32, 64), (128, 256), (128,), (4,)
     if mode == "full":
         chunks, block_ks, block_hs, warps, stages = (16, 32, 64, 128), (64, 128, 256), (64, 128, 256), (4, 8), (2, 3, 4)
-    out = []
+    out = [choose_mlp_config(1, H, I)]
     for c, bk, bh, w, st, tma in itertools.product(chunks, block_ks, block_hs, warps, stages, tmas):
         if c <= max(16, 1 << (I - 1).bit_length()) and max(bk, bh) <= max(16, 1 << (H - 1).bit_length()):
             out.append(MlpConfig(16, c, bk, bh, w, st, tma=tma))
     if mode != "full":  # the pipeline depth and the reduce's width, around the default tiles
         base = choose_mlp_config(1, H, I)
-        out += [MlpConfig(16, base.chunk, base.block_k, base.block_h, base.num_warps, st) for st in (2, 4)]
-        out += [MlpConfig(16, base.chunk, base.block_k, base.block_h, base.num_warps, base.num_stages, rb)
-                for rb in (16, 64)]  # fmt: skip
-    return out
+        out += [dataclasses.replace(base, num_stages=st) for st in (2, 4)]
+        out += [dataclasses.replace(base, reduce_block=rb) for rb in (16, 64)]
+    return list(dict.fromkeys(out))
 
 
 def rel_err(out: torch.Tensor, want: torch.Tensor) -> float:

