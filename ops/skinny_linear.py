@@ -43,6 +43,9 @@ constant_weight  bool: the weight is a parameter or constant, never written by t
        this one. Only then may a programmatic dependent launch (a ``gemv_pdl`` tile entry) read its first
        weight tile before waiting for that kernel; otherwise it waits first. Default False (always safe).
 
+Tiles come from a table measured on the H200 (``_MEASURED``) with a GPU's own entries laid over it where that
+GPU was swept (``_MEASURED_BY_GPU``, chosen by ``gpu_class``: so far the H100 SXM), and rows a user registers.
+
 Results equal ``F.linear`` up to summation order (a different kernel: not bitwise equal to cuBLAS).
 Only metadata is checked at the boundary: no host sync, safe under CUDA-graph capture.
 """
@@ -248,7 +251,10 @@ _MEASURED: dict[tuple[int, int, int], tuple] = {
 # the H200's. H100: the pipelined gemv (tuple index 10) measured by ``skinny_sweep.py pipe 1,4 8b`` on an H100
 # (copy 2.43 TB/s): notes/gpu-2026-12-05-s39/pipe_sweep.json. At one row it beats cuBLAS on every 8B weight by
 # 7-21%; at four rows the heads' LM projection (-7%), o (-4%), down and fc (-2%) clear the 2% margin, while
-# gate/up and qkv stay on cuBLAS.
+# gate/up and qkv stay on cuBLAS. 8B rounds on that H100 (bench rounds, same machine): decode 6.083 -> 5.619 ms,
+# draft round 1.654 -> 1.630, verify(64) unchanged (6.734 -> 6.709). The 64 rows keep the H200's entries: the
+# H100's own 64-row sweep (splitk64.json there) sent gate/up back to cuBLAS, and the verify got slower (6.808 ms).
+# (A cuBLAS GEMM also breaks the chain of dependent launches.)
 _MEASURED_BY_GPU: dict[str, dict[tuple[int, int, int], tuple]] = {
     "H100 SXM": {
         (1, 6144, 4096): (4, 1024, 8, 6, 19.14, 21.26, "gemv_pdl", 1, 0, 0, True),  # Llama-8B qkv
