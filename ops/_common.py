@@ -99,6 +99,15 @@ def tma_device_ok(t: torch.Tensor) -> bool:
     return triton_interpret()
 
 
+def tma_weights_ok(*weights: torch.Tensor) -> bool:
+    """Whether the weights can be TMA box sources: 2-D, last dim contiguous, 16-byte aligned base and row
+    stride, on a device where :func:`tma_device_ok` holds. Host metadata only (no sync)."""
+    if not tma_device_ok(weights[0]):
+        return False
+    return all(w.dim() == 2 and w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0
+               and w.data_ptr() % 16 == 0 for w in weights)  # fmt: skip
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether treecompile's Triton kernels launch as programmatic dependent launches on ``device``.
 

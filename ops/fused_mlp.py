@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
-    HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, tma_device_ok, use_triton,
+    HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, tma_weights_ok, use_triton,
 )
 
 if HAS_TRITON:
@@ -210,7 +210,8 @@ class MlpConfig:
     output features a program, ``reduce_chunks`` partials summed a step (0: all of them in one step, up to
     256; its loads are not pipelined, so each step is an L2 round trip: 8B, M = 1: 224 partials, one step of
     [256, 32] float32 for each of 128 programs). ``tma``: the weight tiles come through TMA descriptors (one
-    box a tile, zero-filled past the weight's edge) where :func:`_tma_ok` holds, else through pointers."""
+    box a tile, zero-filled past the weight's edge) where ``_common.tma_weights_ok`` holds, else through
+    pointers."""
 
     block_m: int = 16
     chunk: int = 64
@@ -331,7 +332,7 @@ def _launch_fused_mlp(
     extra = dict(launch_pdl=True) if pdl else {}
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     norm = norm_weight is not None
-    tma = cfg.tma and _tma_ok(gate, up, down)
+    tma = cfg.tma and tma_weights_ok(gate, up, down)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -355,15 +356,6 @@ def _launch_fused_mlp(
         ws, out, M, H, chunks, out.stride(0), USE_PDL=pdl, BLOCK=cfg.reduce_block, CHUNKS=step,
         num_warps=4, **extra,
     )  # fmt: skip
-
-
-def _tma_ok(*weights: torch.Tensor) -> bool:
-    """Whether the weights can be TMA box sources: 2-D, last dim contiguous, 16-byte aligned base and row
-    stride; on CUDA a Hopper or newer device (the interpreter emulates descriptors on the CPU)."""
-    if not tma_device_ok(weights[0]):
-        return False
-    return all(w.stride(1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-               for w in weights)  # fmt: skip
 
 
 if HAS_TRITON:

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from ._common import (
     HAS_TRITON, check_dim, check_dtype, check_l2_prefetch, check_same_device, counter_table, pdl_enabled, prefetch_l2,
-    use_triton,
+    tma_weights_ok, use_triton,
 )
 
 if HAS_TRITON:
@@ -176,6 +176,7 @@ class SkinnyConfig:
     split_k: int = 1  # programs a slice along K (split-K); > 1 reduces through a workspace + counter table
     l2_prefetch: int = 0  # BLOCK_K tiles of a program's weight slice hinted into L2 before anything waits
     pipeline: bool = False  # gemv only: the K loop software-pipelined by the compiler (see _skinny_gemv_kernel)
+    tma: bool = False  # MMA tiles only: weight tiles as TMA boxes where the device and layout allow (else pointers)
 
 
 # Measured on the H200 by tests/gpu/skinny_sweep.py (bf16, cold weights: each call reads another copy, as a
@@ -187,7 +188,8 @@ class SkinnyConfig:
 # a fixed ~3.3-5 us), its 8-row ones by 4-8% (MMA tiles), the 8B o projection at 1 row by 14% (gemv_pdl)
 # and the 64-row GEMMs over big weights (8B gate/up, down, LM head) by 5-7%. cuBLAS keeps the 8B qkv,
 # gate/up and down at 1-4 rows (the gemv kernel streams them at 3.1-3.7 TB/s against cuBLAS's 3.2-4.1),
-# the heads' vocabulary projections, and the 4-row GEMMs.
+# the heads' vocabulary projections, and the 4-row GEMMs. Past index 6 (the kind), an entry may carry: 7 split_k,
+# 8 l2_prefetch, 9 the row block, 10 the gemv's compiler-pipelined loop, 11 the MMA tiles' TMA weight boxes.
 _MEASURED: dict[tuple[int, int, int], tuple] = {
     (1, 960, 576): (4, 1024, 4, 2, 2.07, 3.98, "gemv_pdl"),  # SmolLM2 qkv
     (1, 576, 576): (4, 1024, 4, 2, 1.99, 3.35, "gemv_pdl"),  # SmolLM2 o
@@ -311,9 +313,15 @@ def register_tiles(rows) -> int:
         pipeline = bool(best.get("pipeline", False))
         if pipeline and kind == "dot":
             raise ValueError(f"rows: best.pipeline is for the gemv kernels, got kind 'dot' for {r['M'], r['N'], r['K']}")
+        tma = bool(best.get("tma", False))
+        if tma and kind != "dot":
+            raise ValueError(f"rows: best.tma is for the MMA tiles (kind 'dot'), got {kind!r} for {r['M'], r['N'], r['K']}")
+        if tma and max(int(best["block_n"]), int(best["block_k"])) > 256:
+            raise ValueError(f"rows: a best.tma tile spans at most 256 elements a dim, got block_n={best['block_n']}, "
+                             f"block_k={best['block_k']} for {r['M'], r['N'], r['K']}")  # fmt: skip
         _REGISTERED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
-            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m, pipeline,
+            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m, pipeline, tma,
         )  # fmt: skip
         added += 1
     return added
@@ -367,6 +375,7 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     l2_prefetch = entry[8] if len(entry) > 8 else 0
     block_m = entry[9] if len(entry) > 9 else 0
     pipeline = bool(entry[10]) if len(entry) > 10 else False
+    tma = bool(entry[11]) if len(entry) > 11 else False
     if us > WIN_MARGIN * cublas_us:
         return None
     tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=split_k,
@@ -375,7 +384,7 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
         tiles["block_m"] = block_m
     if kind != "dot":
         return gemv_config(M, N, K, pdl=kind == "gemv_pdl", pipeline=pipeline, **tiles)
-    return choose_skinny_config(M, N, K, **tiles)
+    return choose_skinny_config(M, N, K, tma=tma, **tiles)
 
 
 def choose_skinny_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
@@ -422,10 +431,20 @@ def _launch_skinny_linear(
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
     ws, counters, k_per_split = _split_k_buffers(x, M, N, K, cfg, grid[0] * grid[1])
     pdl = pdl_enabled(x.device)
+    tma = cfg.tma and tma_weights_ok(weight)
+    if cfg.tma and max(cfg.block_n, cfg.block_k) > 256:
+        raise ValueError(f"config: a TMA box spans at most 256 elements a dim, got block_n={cfg.block_n}, "
+                         f"block_k={cfg.block_k}")  # fmt: skip
+    if tma:  # one [BLOCK_N, BLOCK_K] box a step, zero past the weight's edges (host-built: no device work)
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
+    else:
+        w_desc = weight  # unused (TMA=False)
     _skinny_linear_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, ws, counters,
+        x, weight, w_desc, bias if bias is not None else weight, out, ws, counters,
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0,
+        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, TMA=tma,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         L2_LINES=_l2_lines(cfg, weight.element_size()), LINE_ELEMS=128 // weight.element_size(),
@@ -473,13 +492,18 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_linear_kernel(
-        x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+        x, w, w_desc, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
+        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr,
+        USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     ):  # fmt: skip
         """Program (n slice, m block, k split): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias),
-        over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then reduced by ``_split_k_store``)."""
+        over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then reduced by ``_split_k_store``).
+
+        TMA: each weight tile is one box of ``w_desc`` (the copy engine fills shared memory, the pipeliner keeps
+        num_stages - 1 boxes in flight, zeros past N and K), where pointer loads spend registers and address
+        math on the widest operand. The fused MLP's chunk kernel streamed the 8B MLP ~3x faster that way on an
+        H100 (notes/gpu-2026-12-05-s39); the rows of x stay pointer loads (a few KB a step)."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
@@ -498,13 +522,17 @@ if HAS_TRITON:
         w_ptrs = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn + (k_lo + rk)[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
+            if TMA:  # past K the box reads zeros (splits cover whole BLOCK_K tiles: only the last one ends there)
+                wt = w_desc.load([tl.program_id(0) * BLOCK_N, k0])
             if EVEN_K:
                 xt = tl.load(x_ptrs)
-                wt = tl.load(w_ptrs)
+                if not TMA:
+                    wt = tl.load(w_ptrs)
             else:
                 k_ok = (k0 + rk) < K
                 xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-                wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+                if not TMA:
+                    wt = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Its short form ran in the thirty-ninth session on an H100 (session62.sh + session63.sh): the pipelined gemv ships in the H100 SXM table. session64.sh sweeps it on an H200.
 # Issue 4, the gemv kernel's compiler-pipelined loop (carry .whl; ~550 s). An sm_90 compile (Triton 3.9 on the CPU
 # machine) shows the shipped gemv kernel's register double buffer compiles to no async copy, one tile in flight;
 # the PIPELINE loop compiles to async copies with NUM_STAGES - 1 tiles in flight. The 8B o and qkv projections

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# RAN in the thirty-ninth session on an H100 (sweeps OK, its rounds timed out at 100 s: session63.sh redid them).
 # Issue 4 in ONE device call, for a session that may get no second (carry .whl; ~420 s). The short forms of
 # session59 / 59b / 61: the fused MLP's quick sweep and the pipelined gemv's sweep on the 8B shapes only, then
 # 8B rounds with both installed (every swept shape's best fused tiles forced on, the gemv winners from the

@@ -39,6 +39,13 @@ in flight, where the register double buffer has one and compiles to no async cop
 slices, steps, warps and 3-6 stages, against cuBLAS and the shipped choice: the 8B layer and head shapes, then
 SmolLM2's target and shipped head, at ROWS rows, biggest weights first. Rows carry ``best.pipeline``.
 
+    python3 tests/gpu/skinny_sweep.py out.json tma|tma-smoke [ROWS] [LABEL]   # ROWS: "16,64" (default)
+
+``tma``: the MMA tiles with the weight as TMA boxes (``tma=True``), against the same tiles through pointers,
+cuBLAS and the shipped choice: the 8B layer shapes, the 8B LM head and the head's, at ROWS rows (a 16-node and
+a 64-node verify), biggest weights first, over slices of 32-256 features, 64-128-wide K steps, 3-4 stages. Rows
+carry ``best.tma``.
+
 ``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
 rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
 carry ``best.block_m``, which ``register_tiles`` keeps for that band.
@@ -116,7 +123,14 @@ def main() -> None:
     batch_rows = mode in ("rows", "rows-smoke")
     mid = mode in ("mid", "mid-smoke")
     pipe = mode in ("pipe", "pipe-smoke")
+    tma = mode in ("tma", "tma-smoke")
     cases = CASES
+    if tma:  # argv[3]: the row counts (default 16,64); argv[4]: a label filter; the biggest weights first
+        rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "16,64").split(",")]
+        shapes = LLAMA8B + LLAMA8B_HEAD + [("8b lm_head", 128256, 4096)]
+        if len(sys.argv) > 4:
+            shapes = [sh for sh in shapes if sys.argv[4] in sh[0]]
+        cases = [(m, *sh) for m in rows for sh in sorted(shapes, key=lambda sh: -sh[1] * sh[2])]
     if pipe:  # argv[3]: the row counts (default 1,4); the biggest weights first within a row count
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "1,4").split(",")]
         shapes = LLAMA8B + LLAMA8B_HEAD + SMOL + SMOL_HEAD_SHIPPED
@@ -135,7 +149,7 @@ def main() -> None:
                        key=lambda c: -c[2] * c[3])  # fmt: skip
     if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
         cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
-    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke", "pipe-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke", "pipe-smoke", "tma-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
         global DEVICE, DTYPE, L2_BYTES
         # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
@@ -147,6 +161,8 @@ def main() -> None:
             cases = [(4, "smoke m", 40, 72), (16, "smoke n", 24, 64)]
         if pipe:
             cases = [(1, "smoke p", 40, 72), (3, "smoke q", 24, 64)]
+        if tma:
+            cases = [(16, "smoke t", 40, 72), (64, "smoke u", 24, 64)]
     torch.manual_seed(0)
     results = []
     t0 = time.time()
@@ -159,7 +175,7 @@ def main() -> None:
         want = F.linear(x.float(), ws[0].float())
         row = dict(M=M, label=label, N=N, K=K, copies=copies)
         row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
-        default = (measured_tiles(M, N, K) if gemv or splitk or mid or pipe else None) or choose_skinny_config(M, N, K)
+        default = (measured_tiles(M, N, K) if gemv or splitk or mid or pipe or tma else None) or choose_skinny_config(M, N, K)
         sweep = [default]
         grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4))  # 24 configs
         if full:
@@ -220,6 +236,14 @@ def main() -> None:
                     sweep.append(gemv_config(M, N, K, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
                                              pdl=True, pipeline=True))  # fmt: skip
             grid = []
+        if tma:  # each tile through TMA boxes and through pointers (the box spans at most 256 a dim)
+            tma_grid = [(16, 32, 3), (32, 64, 4)] if mode == "tma-smoke" else itertools.product(
+                (32, 64, 128, 256), (64, 128), (3, 4))  # fmt: skip
+            for (bn, bk, stages), boxes in itertools.product(tma_grid, (True, False)):
+                if bk <= max(16, 1 << (K - 1).bit_length()):
+                    sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
+                                                      tma=boxes))  # fmt: skip
+            grid = []
         if batch_rows:  # the row block too; the other loop below then adds nothing
             block_ms = (32, 64) if mode == "rows-smoke" else (32, 64, 128)
             block_ns = (16,) if mode == "rows-smoke" else (16, 32, 64)
@@ -241,7 +265,7 @@ def main() -> None:
         def run(cfg):
             entry = dict(block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, warps=cfg.num_warps,
                          stages=cfg.num_stages, kind=kind(cfg), split_k=cfg.split_k,
-                         l2_prefetch=cfg.l2_prefetch, pipeline=cfg.pipeline)  # fmt: skip
+                         l2_prefetch=cfg.l2_prefetch, pipeline=cfg.pipeline, tma=cfg.tma)  # fmt: skip
             try:
                 _launch_skinny_linear(x, ws[0], None, outs[0], config=cfg)
                 err = (outs[0].float() - want).abs().max().item()

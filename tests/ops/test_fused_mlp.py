@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import poisoned
 
 from treecompile.ops import fused_mlp as fm
+from treecompile.ops._common import tma_weights_ok
 from treecompile.ops.fused_mlp import (
     MAX_ROWS, MlpConfig, _launch_fused_mlp, choose_mlp_config, fused_mlp_reference, measured_mlp_tiles,
     register_mlp_tiles,
@@ -83,9 +84,7 @@ def test_tma_boxes_read_zeros_past_a_view_of_the_fused_weight(monkeypatch):
     padded_down = torch.full((H, I + 8), float("nan"))
     padded_down[:, :I] = down
     down_view = padded_down[:, :I]  # row stride 48 floats (192 bytes): a legal box source, NaN just past I
-    from treecompile.ops import fused_mlp as module
-
-    assert module._tma_ok(gate_up[:I], gate_up[I:], down_view)
+    assert tma_weights_ok(gate_up[:I], gate_up[I:], down_view)
     out = poisoned((M, H), torch.float32)
     _launch_fused_mlp(x, gate_up[:I], gate_up[I:], down_view, out, choose_mlp_config(M, H, I, tma=True, **SMALL))
     _check(out, x, gate, up, down)

@@ -491,6 +491,29 @@ def test_pipe_sweep_smoke(tmp_path, monkeypatch):
     assert skinny_linear.register_tiles(rows) == 2
 
 
+def test_tma_sweep_smoke(tmp_path, monkeypatch):
+    """tests/gpu/skinny_sweep.py's ``tma`` mode (interpreter, two tiny shapes): each tile runs through TMA boxes
+    and through pointers, both checked against F.linear; the rows (``best.tma`` where a box tile won) load into
+    the table."""
+    import json
+    import sys
+
+    from conftest import gpu_script
+
+    from treecompile.ops import skinny_linear
+
+    sweep = gpu_script("skinny_sweep")
+    out = tmp_path / "tma.json"
+    monkeypatch.setattr(sys, "argv", ["skinny_sweep.py", str(out), "tma-smoke"])
+    sweep.main()
+    rows = json.loads(out.read_text())
+    assert [(r["M"], r["N"], r["K"], r["configs"]) for r in rows] == [(16, 40, 72, 5), (64, 24, 64, 5)]
+    for r in rows:
+        boxes = [c for c in r["top"] if c["tma"]]
+        assert len(boxes) == 2 and all(c["kind"] == "dot" and c["max_err"] < 0.05 for c in boxes)
+    assert skinny_linear.register_tiles(rows) == 2
+
+
 def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
     """On a GPU with its own entries (``_MEASURED_BY_GPU``) those replace the H200's for the same (M, N, K) and the
     rest still serve; registered rows win over both; with no CUDA device (or an unlisted GPU) the H200 table
@@ -515,3 +538,59 @@ def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
         skinny_linear._gpu_class_of.cache_clear()
         assert skinny_linear._gpu_class_of(0) == ("H100 SXM" if "HBM3" in name else None), name
     skinny_linear._gpu_class_of.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "M,N,K,bias,block_n,block_k,split_k",
+    [(16, 40, 72, False, 16, 32, 1), (20, 33, 96, True, 32, 64, 1), (64, 48, 200, True, 16, 16, 5),
+     (130, 20, 64, False, 16, 32, 1), (3, 70, 1000, True, 64, 128, 3)],
+)  # fmt: skip
+def test_tma_tiles_match_float64_linear(dtype, M, N, K, bias, block_n, block_k, split_k, kernel_device):
+    """The MMA tiles with TMA weight boxes: N and K tails (the box reads zeros there), split-K, row blocks.
+    Under the interpreter the descriptors are emulated, on Hopper they are the copy engine's."""
+    from treecompile.ops._common import tma_weights_ok
+
+    d = kernel_device
+    x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, N, K, dtype, bias, seed=M + N + K))
+    assert tma_weights_ok(w) or (d == "cuda" and torch.cuda.get_device_capability()[0] < 9)
+    cfg = choose_skinny_config(M, N, K, block_n=block_n, block_k=block_k, split_k=split_k, tma=True)
+    out = poisoned((M, N), dtype, d)
+    _launch_skinny_linear(x, w, b, out, config=cfg)
+    _check(out.cpu(), x.cpu(), w.cpu(), None if b is None else b.cpu())
+
+
+def test_tma_boxes_stop_at_a_row_views_edge(kernel_device):
+    """A weight that is the first N rows of a bigger one (fuse_projections' q of a fused qkv): the boxes of
+    the last slice read zeros past N, not the next rows (NaN there), and a layout no box can take (a 100-byte
+    row stride) falls back to pointer loads with the same result."""
+    d = kernel_device
+    M, N, K = 16, 24, 64
+    x, w, _ = (t.to(d) if t is not None else None for t in _inputs(M, N, K, torch.float16, False, seed=5))
+    fused = torch.cat([w, torch.full((16, K), float("nan"), dtype=w.dtype, device=d)])
+    out = poisoned((M, N), torch.float16, d)
+    _launch_skinny_linear(x, fused[:N], None, out, config=choose_skinny_config(M, N, K, block_n=16, tma=True))
+    _check(out.cpu(), x.cpu(), w.cpu(), None)
+    x50, w50, _ = (t.to(d) if t is not None else None for t in _inputs(M, N, 50, torch.float16, False, seed=6))
+    out = poisoned((M, N), torch.float16, d)
+    _launch_skinny_linear(x50, w50, None, out, config=choose_skinny_config(M, N, 50, block_k=16, tma=True))
+    _check(out.cpu(), x50.cpu(), w50.cpu(), None)
+
+
+def test_tma_tiles_in_the_measured_table_and_their_limits(monkeypatch):
+    """A sweep row with ``best.tma`` reaches the MMA config; the gemv kernels and boxes past 256 are refused."""
+    from treecompile.ops import skinny_linear
+
+    row = dict(M=64, N=96, K=512, cublas_us=10.0, best=dict(block_n=32, block_k=128, warps=4, stages=4, us=8.0,
+                                                           tma=True))  # fmt: skip
+    assert skinny_linear.register_tiles([row]) == 1
+    cfg = skinny_linear.measured_tiles(64, 96, 512)
+    assert cfg.tma and not cfg.gemv and (cfg.block_n, cfg.block_k) == (32, 128)
+    with pytest.raises(ValueError, match="best.tma is for the MMA tiles"):
+        skinny_linear.register_tiles([dict(row, M=1, best=dict(row["best"], kind="gemv_pdl"))])
+    with pytest.raises(ValueError, match="at most 256 elements"):
+        skinny_linear.register_tiles([dict(row, best=dict(row["best"], block_k=512))])
+    x, w, _ = _inputs(16, 16, 512, torch.float32, False)
+    with pytest.raises(ValueError, match="at most 256 elements"):
+        _launch_skinny_linear(x, w, None, torch.empty(16, 16), config=choose_skinny_config(16, 16, 512, block_k=512,
+                                                                                            tma=True))  # fmt: skip

@@ -52,11 +52,12 @@ def _cases() -> dict:
             "_tree_attention_kernels", "cascade_merge_kernel", dict(D=128, BLOCK_S=16, ROWS=rows, USE_PDL=pdl),
             dict(o_part="*fp32", lse_part="*fp32", out="*bf16"), ("num_rows", "NS"), 1 if rows == 1 else 4, 3,
         )  # fmt: skip
-    for split_k, l2 in ((1, 0), (4, 0), (1, 4)):
-        const = dict(HAS_BIAS=True, EVEN_K=True, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128,
-                     SPLIT_K=split_k, L2_LINES=l2 * 2, LINE_ELEMS=64)  # fmt: skip
-        cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}"] = (
-            "skinny_linear", "_skinny_linear_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 4,
+    for split_k, l2, tma in ((1, 0, False), (4, 0, False), (1, 4, False), (1, 0, True), (4, 0, True)):
+        const = dict(HAS_BIAS=True, EVEN_K=True, TMA=tma, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=32,
+                     BLOCK_K=128, SPLIT_K=split_k, L2_LINES=l2 * 2, LINE_ELEMS=64)  # fmt: skip
+        types = dict(SKINNY_TYPES, w_desc="tensordesc<bf16[32,128]>" if tma else "*bf16")
+        cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}{'-tma' if tma else ''}"] = (
+            "skinny_linear", "_skinny_linear_kernel", const, types, ("M", "s_b"), 4, 4,
         )  # fmt: skip
     for split_k, prefetch, l2, pipeline in ((1, True, 0, False), (4, True, 0, False), (4, False, 0, False),
                                             (1, True, 2, False), (1, False, 0, True), (4, False, 0, True)):
@@ -201,6 +202,14 @@ def test_skinny_mma_kernel_compiles_pipelined_with_split_k(report, split_k):
     the counter's atomics (acq_rel, gpu scope) and the .cg reloads compile for sm_90."""
     entry = _entry(report, f"skinny-mma-split{split_k}")
     assert entry["async_copies"] >= 2, "the K loop's tiles are not async copies"
+    assert (entry["atomics"] > 0) == (split_k > 1)
+
+
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_skinny_mma_kernel_streams_its_weight_through_tma(report, split_k):
+    """With ``tma`` the 64-row MMA tiles' weight loads are TMA copies, pipelined (several boxes in flight)."""
+    entry = _entry(report, f"skinny-mma-split{split_k}-tma")
+    assert entry["tma_copies"] >= 1 and entry["async_copies"] >= 2, f"the weight tiles are not TMA copies: {entry}"
     assert (entry["atomics"] > 0) == (split_k > 1)
 
 
