@@ -24,12 +24,13 @@ case $gpu in *H200*)
 esac
 for v in default table; do
   case $v in
-    default) cmd=(python3 -m treecompile.bench);;
+    default) cmd=(python3 -m treecompile.bench);;  # + a kernel-time table of each round (where verify's time goes)
     table) cmd=(python3 tests/gpu/variant.py "${tables[@]}" treecompile.bench);;
   esac
   start=$(date +%s)
-  timeout ${T_ROUNDS:-150} "${cmd[@]}" rounds --inductor --nodes 64 --reps 10 --no-hf --json "$OUT/rounds_$v.json" \
-    > "$OUT/rounds_$v.log" 2>&1
+  prof=(); [ $v = default ] && prof=(--profile "$OUT/prof")
+  timeout ${T_ROUNDS:-170} "${cmd[@]}" rounds --inductor --nodes 64 --reps 10 --no-hf --json "$OUT/rounds_$v.json" \
+    "${prof[@]}" > "$OUT/rounds_$v.log" 2>&1
   echo "rounds $v rc=$? in $(( $(date +%s) - start )) s"
   grep -E "^\| treecompile|^copy bandwidth|shapes installed|wall" "$OUT/rounds_$v.log" | head -8
 done
