@@ -346,10 +346,15 @@ def gpu_class() -> str | None:
     return _gpu_class_of(torch.cuda.current_device())
 
 
-def _table() -> dict[tuple[int, int, int], tuple]:
-    """The measured entries this process uses: the H200's, this GPU's own over them, registered rows over all."""
-    own = _MEASURED_BY_GPU.get(gpu_class(), {})
-    return {**_MEASURED, **own, **_REGISTERED} if own or _REGISTERED else _MEASURED
+def _swept_rows(N: int, K: int) -> dict[int, tuple]:
+    """M -> entry for one (N, K), from the tables this process uses: the H200's, this GPU's own over them,
+    registered rows over all. (A scan, not a merged copy: ``linear_rows`` asks at every eager call.)"""
+    found = {}
+    for table in (_MEASURED, _MEASURED_BY_GPU.get(gpu_class(), {}), _REGISTERED):
+        for (m, n, k), entry in table.items():
+            if n == N and k == K:
+                found[m] = entry
+    return found
 
 
 def _kind(entry: tuple) -> str:
@@ -364,7 +369,7 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
         return None
     # A gemv entry of <= 8 rows stands in for up to 8 (the kernel's limit until the twenty-seventh session);
     # 9-16 rows take a gemv entry only from a sweep at 9-16 rows (a bigger accumulator than 8 rows times)
-    swept = [(m, v) for (m, n, k), v in _table().items() if n == N and k == K and _band(m) == _band(M)
+    swept = [(m, v) for m, v in _swept_rows(N, K).items() if _band(m) == _band(M)
              and (_kind(v) == "dot" or M <= 8 or (m > 8 and M <= GEMV_MAX_ROWS))]  # fmt: skip
     if not swept:
         return None
