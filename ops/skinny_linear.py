@@ -374,6 +374,14 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     if not swept:
         return None
     _, entry = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
+    return _entry_config(M, N, K, entry)
+
+
+@functools.lru_cache(maxsize=4096)
+def _entry_config(M: int, N: int, K: int, entry: tuple) -> SkinnyConfig | None:
+    """One table entry as the launch config for M rows (None where cuBLAS won). Cached by the entry's own
+    values (a changed entry is another key): eager ``linear_rows`` calls ask at every launch, and building the
+    config costs several times the table scan."""
     block_n, block_k, warps, stages, us, cublas_us = entry[:6]
     kind = _kind(entry)
     split_k = entry[7] if len(entry) > 7 else 1
