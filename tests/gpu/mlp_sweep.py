@@ -103,12 +103,12 @@ def grid(mode: str, H: int, I: int) -> list[MlpConfig]:
         chunks, block_ks, block_hs, warps = (32, 64), (128, 256), (128,), (4,)
     if mode == "full":
         chunks, block_ks, block_hs, warps, stages = (16, 32, 64, 128), (64, 128, 256), (64, 128, 256), (4, 8), (2, 3, 4)
-    out = [choose_mlp_config(1, H, I)]
+    base = choose_mlp_config(1, H, I)
+    out = [base]
     for c, bk, bh, w, st, tma in itertools.product(chunks, block_ks, block_hs, warps, stages, tmas):
         if c <= max(16, 1 << (I - 1).bit_length()) and max(bk, bh) <= max(16, 1 << (H - 1).bit_length()):
             out.append(MlpConfig(16, c, bk, bh, w, st, tma=tma))
     if mode != "full":  # the pipeline depth and the reduce's width, around the default tiles
-        base = choose_mlp_config(1, H, I)
         out += [dataclasses.replace(base, num_stages=st) for st in (2, 4)]
         out += [dataclasses.replace(base, reduce_block=rb) for rb in (16, 64)]
     return list(dict.fromkeys(out))
