@@ -254,9 +254,12 @@ _MEASURED: dict[tuple[int, int, int], tuple] = {
 # (copy 2.43 TB/s): notes/gpu-2026-12-05-s39/pipe_sweep.json. At one row it beats cuBLAS on every 8B weight by
 # 7-21%; at four rows the heads' LM projection (-7%), o (-4%), down and fc (-2%) clear the 2% margin, while
 # gate/up and qkv stay on cuBLAS. 8B rounds on that H100 (bench rounds, same machine): decode 6.083 -> 5.619 ms,
-# draft round 1.654 -> 1.630, verify(64) unchanged (6.734 -> 6.709). The 64 rows keep the H200's entries: the
-# H100's own 64-row sweep (splitk64.json there) sent gate/up back to cuBLAS, and the verify got slower (6.808 ms).
-# (A cuBLAS GEMM also breaks the chain of dependent launches.)
+# draft round 1.654 -> 1.630, verify(64) unchanged (6.734 -> 6.709). An earlier 64-row sweep there (splitk64.json)
+# sent gate/up back to cuBLAS and the verify got slower (6.808 ms; a cuBLAS GEMM also breaks the chain of
+# dependent launches). The 64-row entries come from the fortieth session's ``skinny_sweep.py tma 64 8b`` on an
+# H100 SXM (notes/gpu-2026-12-05-s40/tma_sweep.json): gate/up on 128 x 128 tiles, 3 stages, 84.2 us against
+# cuBLAS 87.4 and the H200's 128 x 64 tiles 89.3; qkv, o and the head's fc stay on cuBLAS; TMA weight boxes tied
+# pointer loads everywhere (none is used). Same machine, 8B rounds: verify(64) 6.803-6.816 -> 6.671 ms.
 _MEASURED_BY_GPU: dict[str, dict[tuple[int, int, int], tuple]] = {
     "H100 SXM": {
         (1, 6144, 4096): (4, 1024, 8, 6, 19.14, 21.26, "gemv_pdl", 1, 0, 0, True),  # Llama-8B qkv
@@ -271,6 +274,13 @@ _MEASURED_BY_GPU: dict[str, dict[tuple[int, int, int], tuple]] = {
         (4, 4096, 14336): (8, 256, 4, 4, 44.51, 45.56, "gemv_pdl", 1, 0, 0, True),
         (4, 4096, 12288): (8, 256, 4, 4, 39.03, 39.92, "gemv_pdl", 1, 0, 0, True),
         (4, 32000, 4096): (4, 512, 4, 6, 90.88, 98.21, "gemv_pdl", 1, 0, 0, True),
+        (64, 6144, 4096): (64, 128, 4, 4, 20.90, 20.97),  # Llama-8B qkv (cuBLAS: within 2%)
+        (64, 4096, 4096): (32, 128, 4, 4, 15.60, 15.26),  # Llama-8B o (cuBLAS)
+        (64, 28672, 4096): (128, 128, 4, 3, 84.16, 87.42),  # Llama-8B gate/up
+        (64, 4096, 14336): (32, 256, 4, 4, 45.12, 47.67),  # Llama-8B down
+        (64, 128256, 4096): (128, 128, 4, 3, 359.09, 390.93),  # Llama-8B LM head
+        (64, 4096, 12288): (32, 128, 4, 4, 43.15, 42.44),  # 8B EAGLE-3 head: fc (cuBLAS)
+        (64, 32000, 4096): (128, 128, 4, 3, 92.82, 101.72),  # 8B EAGLE-3 head: LM head
     },
 }
 # Rows added at run time by ``register_tiles``: over both tables above, whatever the GPU.

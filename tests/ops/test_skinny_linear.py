@@ -529,6 +529,9 @@ def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
     assert cfg.gemv and cfg.pdl and cfg.pipeline and (cfg.block_n, cfg.block_k, cfg.num_stages) == (4, 1024, 6)
     assert skinny_linear.measured_tiles(3, 28672, 4096) is None  # its 4-row entry is within 2% of cuBLAS
     assert skinny_linear.measured_tiles(1, 960, 576).pipeline is False  # SmolLM2: the H200 entry serves
+    verify = skinny_linear.measured_tiles(64, 28672, 4096)  # 8B gate/up at 64 rows: the H100's own tiles
+    assert (verify.block_n, verify.block_k, verify.num_stages, verify.tma) == (128, 128, 3, False)
+    assert skinny_linear.measured_tiles(64, 6144, 4096) is None  # qkv at 64 rows: cuBLAS on the H100 too
     row = dict(M=1, N=28672, K=4096, cublas_us=80.0, best=dict(block_n=8, block_k=512, warps=4, stages=3, us=90.0,
                                                               kind="gemv_pdl"))  # fmt: skip
     assert skinny_linear.register_tiles([row]) == 1
