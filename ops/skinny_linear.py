@@ -524,9 +524,9 @@ if HAS_TRITON:
         over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then reduced by ``_split_k_store``).
 
         TMA: each weight tile is one box of ``w_desc`` (the copy engine fills shared memory, the pipeliner keeps
-        num_stages - 1 boxes in flight, zeros past N and K), where pointer loads spend registers and address
-        math on the widest operand. The fused MLP's chunk kernel streamed the 8B MLP ~3x faster that way on an
-        H100 (notes/gpu-2026-12-05-s39); the rows of x stay pointer loads (a few KB a step)."""
+        num_stages - 1 boxes in flight, zeros past N and K); the rows of x stay pointer loads (a few KB a step).
+        On an H100 at 64 rows the boxes tied the pointer loads' cp.async pipeline on wide tiles and lost 3-11% on
+        narrow ones (notes/gpu-2026-12-05-s40), so no table entry uses them."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)

@@ -225,11 +225,10 @@ def test_split_k_matches_float64_linear(dtype, M, N, K, bias, gemv, split_k, blo
     assert torch.equal(outs[0], outs[1])
 
 
-def test_split_k_in_the_measured_table(monkeypatch):
+def test_split_k_in_the_measured_table():
     """A sweep row with ``split_k`` or ``l2_prefetch`` reaches the launch config; bad counts are refused by name."""
     from treecompile.ops import skinny_linear
 
-    monkeypatch.setattr(skinny_linear, "_MEASURED", dict(skinny_linear._MEASURED))
     row = dict(M=64, N=96, K=512, cublas_us=10.0, best=dict(block_n=32, block_k=64, warps=4, stages=3, us=8.0,
                                                            split_k=4))  # fmt: skip
     assert skinny_linear.register_tiles([row]) == 1
@@ -468,32 +467,18 @@ def test_counter_tables_are_one_per_owner_and_never_resized():
         counter_table("test owner a", torch.device("cpu"), 33)
 
 
-def test_pipe_sweep_smoke(tmp_path, monkeypatch):
-    """tests/gpu/skinny_sweep.py's ``pipe`` mode (interpreter, two tiny shapes): the pipelined gemv configs
-    run, check against F.linear and are timed next to the shipped choice; the rows load into the table."""
-    import json
-    import sys
-
-    from conftest import gpu_script
-
-    from treecompile.ops import skinny_linear
-
-    sweep = gpu_script("skinny_sweep")
-    out = tmp_path / "pipe.json"
-    monkeypatch.setattr(sys, "argv", ["skinny_sweep.py", str(out), "pipe-smoke"])
-    monkeypatch.setattr(skinny_linear, "_MEASURED", dict(skinny_linear._MEASURED))
-    sweep.main()
-    rows = json.loads(out.read_text())
-    assert [(r["M"], r["N"], r["K"], r["configs"]) for r in rows] == [(1, 40, 72, 3), (3, 24, 64, 3)]
-    for r in rows:
-        piped = [c for c in r["top"] if c["pipeline"]]
-        assert len(piped) == 2 and all(c["kind"] == "gemv_pdl" and c["max_err"] < 0.05 for c in piped)
-    assert skinny_linear.register_tiles(rows) == 2
-
-
-def test_tma_sweep_smoke(tmp_path, monkeypatch):
-    """tests/gpu/skinny_sweep.py's ``tma`` mode (interpreter, two tiny shapes): each tile runs through TMA boxes
-    and through pointers, both checked against F.linear; the rows (``best.tma`` where a box tile won) load into
+@pytest.mark.parametrize(
+    "mode, shapes, flag, kind",
+    [
+        # the pipelined gemv configs, timed next to the shipped choice
+        ("pipe", [(1, 40, 72, 3), (3, 24, 64, 3)], "pipeline", "gemv_pdl"),
+        # each MMA tile through TMA boxes and through pointers
+        ("tma", [(16, 40, 72, 5), (64, 24, 64, 5)], "tma", "dot"),
+    ],
+)
+def test_sweep_mode_smoke(tmp_path, monkeypatch, mode, shapes, flag, kind):
+    """tests/gpu/skinny_sweep.py's ``pipe`` and ``tma`` modes (interpreter, two tiny shapes each): the mode's
+    configs run and are checked against F.linear; the rows (``best.<flag>`` where such a config won) load into
     the table."""
     import json
     import sys
@@ -503,14 +488,14 @@ def test_tma_sweep_smoke(tmp_path, monkeypatch):
     from treecompile.ops import skinny_linear
 
     sweep = gpu_script("skinny_sweep")
-    out = tmp_path / "tma.json"
-    monkeypatch.setattr(sys, "argv", ["skinny_sweep.py", str(out), "tma-smoke"])
+    out = tmp_path / f"{mode}.json"
+    monkeypatch.setattr(sys, "argv", ["skinny_sweep.py", str(out), f"{mode}-smoke"])
     sweep.main()
     rows = json.loads(out.read_text())
-    assert [(r["M"], r["N"], r["K"], r["configs"]) for r in rows] == [(16, 40, 72, 5), (64, 24, 64, 5)]
+    assert [(r["M"], r["N"], r["K"], r["configs"]) for r in rows] == shapes
     for r in rows:
-        boxes = [c for c in r["top"] if c["tma"]]
-        assert len(boxes) == 2 and all(c["kind"] == "dot" and c["max_err"] < 0.05 for c in boxes)
+        flagged = [c for c in r["top"] if c[flag]]
+        assert len(flagged) == 2 and all(c["kind"] == kind and c["max_err"] < 0.05 for c in flagged)
     assert skinny_linear.register_tiles(rows) == 2
 
 
