@@ -144,11 +144,22 @@ def linear_rows(
     if (
         x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and weight.dim() == 2
         and 1 <= M <= MAX_ROWS and (K == 1 or (weight.stride(1) == 1 and x.stride(-1) == 1))
-        and (bias is None or bias.dtype == x.dtype) and measured_tiles(M, weight.shape[0], K) is not None
+        and (bias is None or bias.dtype == x.dtype) and _has_tiles(M, weight.shape[0], K)
     ):  # fmt: skip
         out = torch.ops.treespec.skinny_linear(x.reshape(M, K), weight, bias, constant_weight)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+@torch.compiler.assume_constant_result
+def _has_tiles(M: int, N: int, K: int) -> bool:
+    """Whether ``measured_tiles(M, N, K)`` routes the shape to the kernel, as a constant for Dynamo: a compiled
+    caller (the drafter's round calls ``linear_rows`` from Python) gets the answer at trace time instead of
+    tracing the table scan and ``gpu_class``'s device-name lookup, which broke its graph at every call on the
+    GPU (Dynamo then compiled ``linear_rows`` as a frame of its own, hit the recompile limit on its argument
+    types, and split the draft round into one graph a GEMM; notes/gpu-2026-12-05-s41.md). The tables do not
+    change for a compiled graph's lifetime (``register_tiles`` is for set-up, before compiling)."""
+    return measured_tiles(M, N, K) is not None
 
 
 # --------------------------------------------------------------------------------------------------
