@@ -144,22 +144,11 @@ def linear_rows(
     if (
         x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype and weight.dim() == 2
         and 1 <= M <= MAX_ROWS and (K == 1 or (weight.stride(1) == 1 and x.stride(-1) == 1))
-        and (bias is None or bias.dtype == x.dtype) and _has_tiles(M, weight.shape[0], K)
+        and (bias is None or bias.dtype == x.dtype) and measured_tiles(M, weight.shape[0], K) is not None
     ):  # fmt: skip
         out = torch.ops.treespec.skinny_linear(x.reshape(M, K), weight, bias, constant_weight)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
-
-
-@torch.compiler.assume_constant_result
-def _has_tiles(M: int, N: int, K: int) -> bool:
-    """Whether ``measured_tiles(M, N, K)`` routes the shape to the kernel, as a constant for Dynamo: a compiled
-    caller (the drafter's round calls ``linear_rows`` from Python) gets the answer at trace time instead of
-    tracing the table scan and ``gpu_class``'s device-name lookup, which broke its graph at every call on the
-    GPU (Dynamo then compiled ``linear_rows`` as a frame of its own, hit the recompile limit on its argument
-    types, and split the draft round into one graph a GEMM; notes/gpu-2026-12-05-s41.md). The tables do not
-    change for a compiled graph's lifetime (``register_tiles`` is for set-up, before compiling)."""
-    return measured_tiles(M, N, K) is not None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,9 +348,13 @@ def _gpu_class_of(index: int) -> str | None:
     return next((cls for cls, part in _GPU_NAMES.items() if part in name), None)
 
 
+@torch.compiler.assume_constant_result
 def gpu_class() -> str | None:
     """The current CUDA device's key in ``_MEASURED_BY_GPU`` ("H100 SXM" for an "NVIDIA H100 80GB HBM3"), or
-    None (no CUDA, or a GPU with no table of its own: the H200's table serves it)."""
+    None (no CUDA, or a GPU with no table of its own: the H200's table serves it).
+
+    A constant for Dynamo (run once at trace time, no guard): the drafter calls ``linear_rows`` from Python
+    inside its compiled round, and this keeps the CUDA device-name lookup out of the trace."""
     if not torch.cuda.is_available():
         return None
     return _gpu_class_of(torch.cuda.current_device())
@@ -394,8 +387,15 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
              and (_kind(v) == "dot" or M <= 8 or (m > 8 and M <= GEMV_MAX_ROWS))]  # fmt: skip
     if not swept:
         return None
-    _, entry = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
-    return _entry_config(M, N, K, entry)
+    # The nearest swept M (the smaller on a tie), as a loop: Dynamo traces this from the drafter's compiled
+    # round (``linear_rows``), and ``min(..., key=...)`` is a graph break there.
+    best = None
+    for m, entry in swept:
+        if best is None or (abs(m - M), m) < (abs(best[0] - M), best[0]):
+            best = (m, entry)
+    # Traced, the cache wrapper is skipped anyway (Dynamo warns of it): the plain function, then.
+    config = _entry_config.__wrapped__ if torch.compiler.is_compiling() else _entry_config
+    return config(M, N, K, best[1])
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,11 +1,13 @@
-"""Graph breaks and graphs of a compiled speculator's rounds on the GPU, with ``linear_rows``'s routing traced by
-Dynamo (the code before the forty-first session) and as a constant (``skinny_linear._has_tiles``, now).
+"""Graph breaks and graphs of a compiled speculator's rounds on the GPU: ``measured_tiles`` as before the
+forty-first session (the nearest swept M by ``min(..., key=...)``, a Dynamo graph break) against now (a loop).
 
     python3 tests/gpu/graph_breaks.py OUT.json
 
 A tiny bf16 Llama and its random EAGLE-3 head, the CUDA defaults (compiled draft round, skinny linears, CUDA
-graphs), one request of 24 new tokens per variant, Dynamo reset in between. Prints and writes Dynamo's counters:
-graph breaks by reason, unique graphs, frames compiled; and whether both variants emitted the same tokens.
+graphs), one request of 24 new tokens per variant, Dynamo reset in between. Every (N, K) gets a made-up 4-row
+table entry (the tiny shapes were never swept), so the head's draft-lane GEMMs scan a table as the 8B head's do.
+Prints and writes Dynamo's counters: graph breaks by reason, unique graphs; and whether both emitted the same
+tokens.
 """
 
 import json
@@ -22,10 +24,24 @@ from treecompile.ops import skinny_linear  # noqa: E402
 from treecompile.speculator import TreeSpeculator  # noqa: E402
 
 
+def old_measured_tiles(M: int, N: int, K: int):
+    """``measured_tiles`` before the forty-first session."""
+    sl = skinny_linear
+    if not 1 <= M <= sl.MAX_ROWS:
+        return None
+    swept = [(m, v) for m, v in sl._swept_rows(N, K).items() if sl._band(m) == sl._band(M)
+             and (sl._kind(v) == "dot" or M <= 8 or (m > 8 and M <= sl.GEMV_MAX_ROWS))]  # fmt: skip
+    if not swept:
+        return None
+    _, entry = min(swept, key=lambda item: (abs(item[0] - M), item[0]))
+    return sl._entry_config(M, N, K, entry)
+
+
 def run(variant: str) -> dict:
-    constant = skinny_linear._has_tiles
-    if variant == "traced":  # a plain function: Dynamo traces the table scan and gpu_class, as before
-        skinny_linear._has_tiles = lambda M, N, K: skinny_linear.measured_tiles(M, N, K) is not None
+    new, swept_rows = skinny_linear.measured_tiles, skinny_linear._swept_rows
+    skinny_linear._swept_rows = lambda N, K: {4: (32, 64, 4, 3, 1.0, 2.0)}  # a 4-row dot entry, a "win"
+    if variant == "old":
+        skinny_linear.measured_tiles = old_measured_tiles
     torch._dynamo.reset()
     counters.clear()
     try:
@@ -35,7 +51,7 @@ def run(variant: str) -> dict:
         ids, mask = ragged()
         seq = spec.generate(ids[:1], mask[:1], max_new_tokens=24).sequences
     finally:
-        skinny_linear._has_tiles = constant
+        skinny_linear.measured_tiles, skinny_linear._swept_rows = new, swept_rows
     out = {
         "variant": variant,
         "graph_breaks": dict(counters["graph_break"]),
@@ -50,7 +66,7 @@ def run(variant: str) -> dict:
 
 def main() -> None:
     print("gpu:", torch.cuda.get_device_name(), "class:", skinny_linear.gpu_class(), flush=True)
-    res = [run(v) for v in ("traced", "constant")]
+    res = [run(v) for v in ("old", "new")]
     print("same tokens:", res[0]["tokens"] == res[1]["tokens"], flush=True)
     with open(sys.argv[1], "w") as f:
         json.dump(res, f, indent=1)

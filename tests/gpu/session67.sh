@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 4 (carry .whl; ~120 s + a cold start). The 8B rounds' logs show Dynamo compiling ``linear_rows`` as a
-# frame of its own until its recompile limit (a graph break inside it: the drafter calls it from Python). Since
-# this session its routing is a constant for Dynamo (skinny_linear._has_tiles). 1. graph breaks of a tiny
-# speculator's rounds, routing traced vs constant; 2. the GPU tests that guard recompiles and skinny routing.
+# frame of its own until its recompile limit: a graph break inside it (the drafter calls it from Python in its
+# compiled round), ``min(..., key=...)`` in measured_tiles, a loop since this session. 1. graph breaks of a tiny
+# speculator's rounds, old vs new; 2. the GPU tests that guard recompiles and skinny routing.
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

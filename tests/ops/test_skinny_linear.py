@@ -530,6 +530,30 @@ def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
         skinny_linear._gpu_class_of.cache_clear()
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_routing_traces_without_a_graph_break(dynamic):
+    """``linear_rows`` decides its route in Python, and the drafter calls it inside its compiled draft round:
+    ``measured_tiles`` and ``gpu_class`` must trace in one graph (``fullgraph``), for static and symbolic row
+    counts, and answer as eagerly. Before the forty-first session ``min(..., key=...)`` broke the graph at every
+    call of a shape with table entries; the 8B rounds' logs showed Dynamo compiling ``linear_rows`` as a frame
+    of its own until its recompile limit."""
+    from treecompile.ops import skinny_linear
+
+    def route(x):
+        cfg = skinny_linear.measured_tiles(x.shape[0], 4096, 4096)
+        pdl = 1.0 if cfg is not None and cfg.pdl else 0.0
+        return x * (2.0 if cfg is not None else 3.0) + pdl + (skinny_linear.gpu_class() is None)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(route, backend="eager", fullgraph=True, dynamic=dynamic)
+    for M in (1, 3, 4, 64, 100):  # decode, draft lanes (nearest swept M), a verify tree, a batch (no entry)
+        x = torch.ones(M, 2)
+        assert torch.equal(compiled(x), route(x)), M
+    # the scan above met table entries (the min over them was the break), one of them a win
+    assert skinny_linear._swept_rows(4096, 4096) and skinny_linear.measured_tiles(1, 4096, 4096) is not None
+    assert skinny_linear.measured_tiles(100, 4096, 4096) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize(
     "M,N,K,bias,block_n,block_k,split_k",
