@@ -1,6 +1,6 @@
 """Run a module or script under one A/B variant of the round (GPU tuning runs, branch next/merged2).
 
-    python3 tests/gpu/variant.py [--table SWEEP.json] [--no-gpu-table] [--mlp-table[-all] MLP.json] [--no-fold] [--inductor KEY=VALUE ...] TARGET [args...]
+    python3 tests/gpu/variant.py [--table SWEEP.json] [--no-gpu-table] [--mlp-table[-all] MLP.json] [--no-fold] [--old-routing] [--inductor KEY=VALUE ...] TARGET [args...]
 
 ``--table``: a ``tests/gpu/skinny_sweep.py`` JSON is added to ``skinny_linear``'s measured table
 (``register_tiles``): its shapes use their best tiles where they beat cuBLAS, and stay on cuBLAS where not.
@@ -11,6 +11,8 @@ H200's table serves it (the baseline of an A/B of those entries).
 ``--mlp-table-all``: the same, but every swept shape runs the fused MLP with its best tiles, won or lost (a
 round-level A/B of the op as a whole).
 ``--no-fold``: the pass ``fuse_cache_write`` is left out, so each layer keeps its separate ``kv_write``.
+``--old-routing``: ``skinny_linear.measured_tiles`` as before the forty-first session, whose ``min(..., key=...)``
+broke the drafter's compiled round at every ``linear_rows`` call of a swept shape (the draft round's A/B).
 ``--inductor KEY=VALUE``: sets ``torch._inductor.config.KEY`` (a Python literal) for every compile of the
 run, e.g. ``combo_kernels=True`` (Inductor fuses independent small kernels, such as a layer's q and k rope,
 into one launch).
@@ -107,6 +109,12 @@ def main() -> None:
             cascade_fields(args.pop(0), heavy=flag == "--cascade-heavy")
         elif flag == "--inductor":
             set_inductor(args.pop(0))
+        elif flag == "--old-routing":  # measured_tiles as before the forty-first session (a graph break)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from graph_breaks import old_measured_tiles
+
+            skinny_linear.measured_tiles = old_measured_tiles
+            print("variant: measured_tiles with min(key=...), the drafter's graph break", flush=True)
         else:
             raise SystemExit(f"variant.py: unknown flag {flag}")
     target = args[0]

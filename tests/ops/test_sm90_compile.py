@@ -59,6 +59,12 @@ def _cases() -> dict:
         cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}{'-tma' if tma else ''}"] = (
             "skinny_linear", "_skinny_linear_kernel", const, types, ("M", "s_b"), 4, 4,
         )  # fmt: skip
+    for even in (True, False):  # stream-K: the 8B verify's gate/up tile, every K step whole or the tail masked
+        const = dict(HAS_BIAS=True, EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+        cases[f"skinny-stream-k-{'even' if even else 'tail'}"] = (
+            "skinny_linear", "_skinny_stream_k_kernel", const, SKINNY_TYPES, ("M", "s_b", "total", "k_tiles", "workers"),
+            4, 3,
+        )  # fmt: skip
     for split_k, prefetch, l2, pipeline in ((1, True, 0, False), (4, True, 0, False), (4, False, 0, False),
                                             (1, True, 2, False), (1, False, 0, True), (4, False, 0, True)):
         const = dict(HAS_BIAS=False, USE_PDL=True, PREFETCH=prefetch, PIPELINE=pipeline, BLOCK_M=1, BLOCK_N=4,
@@ -194,6 +200,15 @@ def test_draft_topk_fused_merge_compiles_with_its_counter(report):
 @pytest.mark.parametrize("rows", [1, 4])
 def test_cascade_merge_compiles(report, rows):
     _entry(report, f"merge-rows{rows}")
+
+
+@pytest.mark.parametrize("k_tail", ["even", "tail"])
+def test_skinny_stream_k_kernel_compiles_pipelined(report, k_tail):
+    """Stream-K's K loop (inside the loop over a run's slices) still streams its tiles through async copies,
+    and the fix-up of shared slices has its counter (atomics) and L2 reads of the partials (.cg)."""
+    entry = _entry(report, f"skinny-stream-k-{k_tail}")
+    assert entry["async_copies"] >= 2 and entry["atomics"] >= 2 and entry["cg_loads"] >= 1, entry
+    assert entry["pdl_waits"] == 1
 
 
 @pytest.mark.parametrize("split_k", [1, 4])
