@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Issue 4, next device call (carry .whl; ~580 s on a cold machine, so the last step may be cut: it is the least
-# needed). The forty-first session's PDL-off profile of the H100 verify(64): its 64-row GEMMs run 5-7 us above
-# their weight-read floors each, where the decode's gemv kernels run ~1.4 us above (notes/gpu-2026-12-05-s41).
+# Issue 4, next device call (carry .whl; ~700 s on a cold machine: split it with VARIANTS / T_SWEEP=0, or let the
+# last step be cut: it is the least needed). The forty-first session's PDL-off profile of the H100 verify(64): its
+# 64-row GEMMs run 5-7 us above their weight-read floors each, where the decode's gemv kernels run ~1.4 us above (notes/gpu-2026-12-05-s41).
 # 1. skinny_sweep.py streamk 64: the 8B layer shapes as stream-K runs (SkinnyConfig.stream_k, built then) against
 #    whole slices a program, cuBLAS and the shipped tiles;
 # 2. 8B rounds: default, then the sweep installed (tests/gpu/variant.py --table);
-# 3. 8B rounds with the old routing (variant.py --old-routing: measured_tiles's min(key=...) broke the drafter's
+# 3. 8B rounds with TREECOMPILE_SKINNY_GLU=1 (the verify's gate/up + silu-mul as one treespec::skinny_glu GEMM);
+# 4. 8B rounds with the old routing (variant.py --old-routing: measured_tiles's min(key=...) broke the drafter's
 #    compiled round at every linear_rows call): the draft round's A/B against 2's default;
+# VARIANTS="default glu" (say) runs only those rounds.
 # PROBE=1 first runs tests/gpu/graph_breaks.py (graph breaks of a tiny speculator, old vs new routing, ~60 s).
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
@@ -17,16 +19,20 @@ if [ -n "${PROBE:-}" ]; then
   timeout 100 python3 tests/gpu/graph_breaks.py "$OUT/graph_breaks.json" 2>&1 | grep -E "^gpu|graph breaks|^   |same tokens" \
     | tee "$OUT/graph_breaks.log" | cut -c1-240
 fi
-timeout ${T_SWEEP:-150} python3 tests/gpu/skinny_sweep.py "$OUT/streamk_sweep.json" streamk 64 2>&1 | grep -v "^INFO" \
-  | tee "$OUT/streamk_sweep.log" | cut -c1-300
-for v in default table old_routing; do
+if [ "${T_SWEEP:-150}" != 0 ]; then
+  timeout ${T_SWEEP:-150} python3 tests/gpu/skinny_sweep.py "$OUT/streamk_sweep.json" streamk 64 2>&1 | grep -v "^INFO" \
+    | tee "$OUT/streamk_sweep.log" | cut -c1-300
+fi
+for v in ${VARIANTS:-default table glu old_routing}; do
+  env=()
   case $v in
     default) cmd=(python3 -m treecompile.bench);;
     table) cmd=(python3 tests/gpu/variant.py --table "$OUT/streamk_sweep.json" treecompile.bench);;
+    glu) cmd=(python3 -m treecompile.bench); env=(TREECOMPILE_SKINNY_GLU=1);;
     old_routing) cmd=(python3 tests/gpu/variant.py --old-routing treecompile.bench);;
   esac
   start=$(date +%s)
-  timeout ${T_ROUNDS:-165} "${cmd[@]}" rounds --inductor --nodes 64 --reps 10 --no-hf --json "$OUT/rounds_$v.json" \
+  env "${env[@]}" timeout ${T_ROUNDS:-165} "${cmd[@]}" rounds --inductor --nodes 64 --reps 10 --no-hf --json "$OUT/rounds_$v.json" \
     > "$OUT/rounds_$v.log" 2>&1
   echo "rounds $v rc=$? in $(( $(date +%s) - start )) s"
   grep -E "^\| treecompile|shapes installed|variant:" "$OUT/rounds_$v.log" | head -5

@@ -65,6 +65,11 @@ def _cases() -> dict:
             "skinny_linear", "_skinny_stream_k_kernel", const, SKINNY_TYPES, ("M", "s_b", "total", "k_tiles", "workers"),
             4, 3,
         )  # fmt: skip
+    for even in (True, False):  # the gated gate/up GEMM at the 8B verify's tiles (gate/up's 128-wide slice, halved)
+        const = dict(EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+        cases[f"skinny-glu-{'even' if even else 'tail'}"] = (
+            "skinny_glu", "_skinny_glu_kernel", const, dict(x="*bf16", w="*bf16", out="*bf16"), ("M",), 4, 3,
+        )  # fmt: skip
     for split_k, prefetch, l2, pipeline in ((1, True, 0, False), (4, True, 0, False), (4, False, 0, False),
                                             (1, True, 2, False), (1, False, 0, True), (4, False, 0, True)):
         const = dict(HAS_BIAS=False, USE_PDL=True, PREFETCH=prefetch, PIPELINE=pipeline, BLOCK_M=1, BLOCK_N=4,
@@ -200,6 +205,13 @@ def test_draft_topk_fused_merge_compiles_with_its_counter(report):
 @pytest.mark.parametrize("rows", [1, 4])
 def test_cascade_merge_compiles(report, rows):
     _entry(report, f"merge-rows{rows}")
+
+
+@pytest.mark.parametrize("k_tail", ["even", "tail"])
+def test_skinny_glu_kernel_compiles_pipelined(report, k_tail):
+    """The gated GEMM streams x and both weight row ranges through async copies (three loads a K step)."""
+    entry = _entry(report, f"skinny-glu-{k_tail}")
+    assert entry["async_copies"] >= 3 and entry["pdl_waits"] == 1, entry
 
 
 @pytest.mark.parametrize("k_tail", ["even", "tail"])

@@ -395,6 +395,10 @@ def test_generate_with_the_target_on_the_fused_op_equals_hf_greedy(monkeypatch, 
     monkeypatch.setenv(mlp_op.FUSED_MLP_ENV, "1")
     model = tiny_model(family, seed=2, vocab_size=24)
     model.generation_config.eos_token_id = None
+    with torch.no_grad():  # at HF's init scale the MLPs barely move the tokens: make them matter (a zeroed op fails)
+        for layer in model.model.layers:
+            for proj in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                proj.weight.mul_(6.0)
     rows_seen = []
     real = mlp_op.fused_mlp_reference
 
