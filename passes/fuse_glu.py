@@ -25,7 +25,7 @@ import torch.fx
 from treecompile.ops import skinny_glu as glu_op
 
 from ._graph import is_constant, node_value
-from .fuse_mlp import _MUL, _projections, _silu_input, _sole_user
+from .fuse_mlp import _gated_product, _projections
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +56,10 @@ def fuse_glu(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
     graph = gm.graph
     count = 0
     for node in list(graph.nodes):
-        if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in _MUL:
+        gated = _gated_product(node)
+        if gated is None:
             continue
-        if len(node.args) != 2 or node.kwargs:
-            continue
-        a, b = node.args
-        act, up = (a, b) if _silu_input(a) is not None else (b, a)
-        g = _silu_input(act)
-        if g is None or not _sole_user(act, node) or not _sole_user(g, act) or not _sole_user(up, node):
-            continue
+        act, g, up = gated
         found = _projections(gm, g, up)
         if found is None or found[4] is None:  # separate gate and up projections: not this op's layout
             continue

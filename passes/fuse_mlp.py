@@ -61,6 +61,21 @@ def _silu_input(node):
     return node.args[0]
 
 
+def _gated_product(h):
+    """(silu node, gate input, up input) when ``h`` is ``silu(g) * up`` (either order) and the silu and both
+    inputs have no other user, else None."""
+    if not isinstance(h, torch.fx.Node) or h.op != "call_function" or h.target not in _MUL or len(h.args) != 2:
+        return None
+    if h.kwargs:
+        return None
+    a, b = h.args
+    act, up = (a, b) if _silu_input(a) is not None else (b, a)
+    g = _silu_input(act)
+    if g is None or not _sole_user(act, h) or not _sole_user(g, act) or not _sole_user(up, h):
+        return None
+    return act, g, up
+
+
 def _plain_linear(node):
     """(x, weight) of ``linear(x, weight)`` without a bias, else None."""
     args = _linear_args(node) if isinstance(node, torch.fx.Node) else None
@@ -211,15 +226,10 @@ def fuse_mlp(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
         if down is None:
             continue
         h, down_w = down
-        if not isinstance(h, torch.fx.Node) or h.op != "call_function" or h.target not in _MUL or len(h.args) != 2:
+        gated = _gated_product(h)
+        if gated is None or not _sole_user(h, node):
             continue
-        if h.kwargs or not _sole_user(h, node):
-            continue
-        a, b = h.args
-        act, up = (a, b) if _silu_input(a) is not None else (b, a)
-        g = _silu_input(act)
-        if g is None or not _sole_user(act, h) or not _sole_user(g, act) or not _sole_user(up, h):
-            continue
+        act, g, up = gated
         found = _projections(gm, g, up)
         if found is None:
             continue
