@@ -10,6 +10,8 @@
 #    compiled round at every linear_rows call): the draft round's A/B against 2's default;
 # VARIANTS="default glu" (say) runs only those rounds.
 # PROBE=1 first runs tests/gpu/graph_breaks.py (graph breaks of a tiny speculator, old vs new routing, ~60 s).
+# ATTN=1 last runs the verify attention's stage-1 sweep at P=2k, N=64 with 256-key minimum chunks too (the s41
+# sweep capped the 128-row tiles at 5 splits by their 512-key default).
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -37,4 +39,9 @@ for v in ${VARIANTS:-default table glu old_routing}; do
   echo "rounds $v rc=$? in $(( $(date +%s) - start )) s"
   grep -E "^\| treecompile|shapes installed|variant:" "$OUT/rounds_$v.log" | head -5
 done
+if [ -n "${ATTN:-}" ]; then
+  timeout ${T_ATTN:-200} python3 -m treecompile.bench attention --sweep --nodes 64 --prefixes 2048 \
+    --min-chunks default,256 --json "$OUT/attn_sweep64.json" 2>&1 | grep -v "^INFO" > "$OUT/attn_sweep64.log"
+  echo "attention sweep rc=$?"; grep -A8 "^P=" "$OUT/attn_sweep64.log" | head -10
+fi
 cd "$OUT" && tar czf raw.tgz --remove-files $(ls | grep -v -e "^raw.tgz$" -e "json$") && ls -la "$OUT"
