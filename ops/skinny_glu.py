@@ -24,7 +24,6 @@ x       [M, K]  float16 / bfloat16 / float32 (float64 on the CPU: the reference)
 weight  [2I, K] x's dtype, contiguous rows: rows [0, I) the gate projection, [I, 2I) the up projection
         (``fuse_projections``' fused gate/up weight)
 out     [M, I]  x's dtype
-constant_weight  bool: kept for the callers' symmetry with ``skinny_linear`` (the kernel waits first)
 
 Only metadata is checked at the boundary: no host sync, safe under CUDA-graph capture.
 """
@@ -55,7 +54,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float
 
 
 @torch.library.custom_op("treespec::skinny_glu", mutates_args=())
-def skinny_glu(x: torch.Tensor, weight: torch.Tensor, constant_weight: bool = False) -> torch.Tensor:
+def skinny_glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu(x @ weight[:I].T) * (x @ weight[I:].T)`` for ``x [M <= 64, K]`` (see the module docstring)."""
     _check_inputs(x, weight)
     if use_triton(x, weight):
@@ -66,7 +65,7 @@ def skinny_glu(x: torch.Tensor, weight: torch.Tensor, constant_weight: bool = Fa
 
 
 @skinny_glu.register_fake
-def _(x, weight, constant_weight=False):
+def _(x, weight):
     _check_inputs(x, weight)
     return x.new_empty((x.shape[0], weight.shape[0] // 2))
 

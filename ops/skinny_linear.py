@@ -339,7 +339,8 @@ def register_tiles(rows) -> int:
         stream_k = int(best.get("stream_k", 0))
         if stream_k and (kind != "dot" or int(r["M"]) > 64 or tma or split_k != 1 or not 1 <= stream_k <= MAX_STREAM_K):
             raise ValueError(f"rows: best.stream_k ({stream_k}) needs kind 'dot', M <= 64, no tma, split_k 1 and "
-                             f"1..{MAX_STREAM_K} programs, got {kind!r}, M={r['M']}, tma={tma}, split_k={split_k}")  # fmt: skip
+                             f"1..{MAX_STREAM_K} programs, got {kind!r}, M={r['M']}, tma={tma}, "
+                             f"split_k={split_k}")  # fmt: skip
         _REGISTERED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
             float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m, pipeline, tma, stream_k,
@@ -654,7 +655,8 @@ def _launch_stream_k(x, weight, bias, out, cfg: SkinnyConfig) -> None:
         raise ValueError(f"config: stream_k excludes split_k > 1 and tma, got split_k={cfg.split_k}, tma={cfg.tma}")
     n_tiles, k_tiles = triton.cdiv(N, cfg.block_n), triton.cdiv(K, cfg.block_k)
     if n_tiles > MAX_SLICES:
-        raise ValueError(f"config: a stream-K launch counts at most {MAX_SLICES} slices, got {n_tiles} (block_n too small)")
+        raise ValueError(f"config: a stream-K launch counts at most {MAX_SLICES} slices, got {n_tiles} "
+                         "(block_n too small)")
     if not 1 <= cfg.stream_k <= MAX_STREAM_K:
         raise ValueError(f"config: stream_k must be in 1..{MAX_STREAM_K} programs, got {cfg.stream_k}")
     total = n_tiles * k_tiles

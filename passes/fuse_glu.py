@@ -24,7 +24,7 @@ import torch.fx
 
 from treecompile.ops import skinny_glu as glu_op
 
-from ._graph import is_constant, node_value
+from ._graph import node_value
 from .fuse_mlp import _gated_product, _projections
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def fuse_glu(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
         H = x_value.shape[-1]
         with graph.inserting_before(node):
             rows = graph.call_method("reshape", (x, M, H))
-            out = graph.call_function(torch.ops.treespec.skinny_glu.default, (rows, fused_w, is_constant(fused_w)))
+            out = graph.call_function(torch.ops.treespec.skinny_glu.default, (rows, fused_w))
             h = graph.call_method("reshape", (out, *x_value.shape[:-1], I))
         h.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "nn_module_stack", "stack_trace")})
         for new in (rows, out):
