@@ -196,6 +196,12 @@ class SkinnyConfig:
 # the heads' vocabulary projections, and the 4-row GEMMs. Past index 6 (the kind), an entry may carry: 7 split_k,
 # 8 l2_prefetch, 9 the row block, 10 the gemv's compiler-pipelined loop, 11 the MMA tiles' TMA weight boxes,
 # 12 the MMA tiles' stream-K programs (0: off).
+# Forty-second session, same H200 class (copy 4.27 TB/s): the 8B's 1-row entries, target and head, are the
+# pipelined gemv (index 10) of ``skinny_sweep.py pipe 1,4 8b`` (notes/gpu-2026-12-05-s42/pipe_sweep.json), 5-23%
+# under cuBLAS; 8B rounds on that machine: decode 4.575 -> 4.271 ms. The 8B o at 64 rows moved to Triton from a
+# 2.5% sweep win (streamk_sweep.json) and its round: verify(64) 5.215-5.232 -> 5.164 ms, more than the GEMM's
+# 0.3 us a layer, as a cuBLAS call also breaks the chain of dependent launches. Its 4-row rows stay as they were
+# (the new sweep kept them on cuBLAS but for the head's fc, by a 2.3% margin within its noise).
 _MEASURED: dict[tuple[int, int, int], tuple] = {
     (1, 960, 576): (4, 1024, 4, 2, 2.07, 3.98, "gemv_pdl"),  # SmolLM2 qkv
     (1, 576, 576): (4, 1024, 4, 2, 1.99, 3.35, "gemv_pdl"),  # SmolLM2 o
@@ -215,23 +221,23 @@ _MEASURED: dict[tuple[int, int, int], tuple] = {
     (8, 576, 1728): (4, 512, 4, 2, 6.35, 5.24, "gemv_pdl"),
     (1, 8192, 576): (8, 256, 4, 3, 5.96, 5.02, "gemv_pdl"),  # SmolLM2 draft head: LM head (8k draft vocabulary)
     (8, 8192, 576): (16, 128, 4, 3, 8.40, 5.14),
-    (1, 6144, 4096): (8, 256, 8, 3, 16.43, 15.77, "gemv_pdl"),  # Llama-8B qkv
-    (1, 4096, 4096): (4, 512, 4, 3, 11.54, 13.38, "gemv_pdl"),  # Llama-8B o
-    (1, 28672, 4096): (4, 512, 4, 3, 62.69, 57.07, "gemv_pdl"),  # Llama-8B gate/up
-    (1, 4096, 14336): (4, 512, 4, 2, 34.78, 32.30, "gemv"),  # Llama-8B down
+    (1, 6144, 4096): (16, 256, 4, 4, 14.39, 16.70, "gemv_pdl", 1, 0, 0, True),  # Llama-8B qkv
+    (1, 4096, 4096): (8, 512, 4, 4, 10.38, 13.46, "gemv_pdl", 1, 0, 0, True),  # Llama-8B o
+    (1, 28672, 4096): (4, 512, 4, 6, 56.61, 60.74, "gemv_pdl", 1, 0, 0, True),  # Llama-8B gate/up
+    (1, 4096, 14336): (8, 512, 4, 3, 29.97, 33.04, "gemv_pdl", 1, 0, 0, True),  # Llama-8B down
     (4, 6144, 4096): (4, 512, 4, 3, 27.89, 16.29, "gemv_pdl"),
     (4, 4096, 4096): (64, 256, 4, 4, 13.12, 13.31),
     (4, 28672, 4096): (64, 128, 4, 3, 65.57, 57.23),
     (4, 4096, 14336): (4, 256, 4, 3, 57.45, 32.55, "gemv_pdl"),
     (64, 6144, 4096): (32, 128, 4, 4, 17.70, 16.76),
-    (64, 4096, 4096): (32, 256, 4, 4, 12.79, 12.59),
+    (64, 4096, 4096): (32, 256, 4, 4, 11.98, 12.29),  # o: see above the table
     (64, 28672, 4096): (128, 64, 4, 4, 60.22, 64.28),
     (64, 4096, 14336): (32, 256, 4, 4, 34.43, 36.22),
     (1, 128256, 4096): (128, 256, 4, 4, 238.39, 247.44),  # Llama-8B LM head
     (64, 128256, 4096): (128, 128, 4, 4, 254.53, 272.44),
-    (1, 4096, 12288): (4, 512, 4, 2, 30.82, 30.35, "gemv_pdl"),  # 8B EAGLE-3 head: fc
+    (1, 4096, 12288): (16, 512, 4, 3, 25.72, 30.23, "gemv_pdl", 1, 0, 0, True),  # 8B EAGLE-3 head: fc
     (4, 4096, 12288): (4, 512, 8, 3, 52.06, 30.91, "gemv_pdl"),
-    (1, 32000, 4096): (4, 512, 4, 2, 70.05, 66.65, "gemv_pdl"),  # 8B EAGLE-3 head: LM head (32k draft vocabulary)
+    (1, 32000, 4096): (8, 512, 4, 6, 63.29, 66.15, "gemv_pdl", 1, 0, 0, True),  # 8B EAGLE-3 head: LM head (32k draft vocabulary)
     (4, 32000, 4096): (128, 256, 4, 3, 66.56, 67.59),
     # 65-256 rows (a batch of trees' verify: B x N rows), tuple index 9 = the row block:
     # notes/gpu-2026-12-03-s26/rows_sweep.json. Triton wins SmolLM2's qkv, o and down by 6-24% and gate/up at

@@ -563,8 +563,9 @@ def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
 
     assert skinny_linear.gpu_class() is None or torch.cuda.is_available()
     monkeypatch.setattr(skinny_linear, "gpu_class", lambda: None)  # an H200, or any GPU with no table of its own
-    h200 = skinny_linear.measured_tiles(1, 28672, 4096)  # 8B gate/up at one row: cuBLAS won on the H200
-    assert h200 is None and skinny_linear.measured_tiles(1, 4096, 4096).pipeline is False
+    h200 = skinny_linear.measured_tiles(1, 28672, 4096)  # 8B gate/up at one row: the H200's pipelined gemv
+    assert h200.pipeline and (h200.block_n, h200.block_k) == (4, 512)
+    assert skinny_linear.measured_tiles(64, 4096, 4096) is not None  # 8B o at 64 rows: Triton on the H200
     monkeypatch.setattr(skinny_linear, "gpu_class", lambda: "H100 SXM")
     cfg = skinny_linear.measured_tiles(1, 28672, 4096)
     assert cfg.gemv and cfg.pdl and cfg.pipeline and (cfg.block_n, cfg.block_k, cfg.num_stages) == (4, 1024, 6)
@@ -573,6 +574,7 @@ def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
     verify = skinny_linear.measured_tiles(64, 28672, 4096)  # 8B gate/up at 64 rows: the H100's own tiles
     assert (verify.block_n, verify.block_k, verify.num_stages, verify.tma) == (128, 128, 3, False)
     assert skinny_linear.measured_tiles(64, 6144, 4096) is None  # qkv at 64 rows: cuBLAS on the H100 too
+    assert skinny_linear.measured_tiles(64, 4096, 4096) is None  # o at 64 rows: the H100's entry, cuBLAS
     row = dict(M=1, N=28672, K=4096, cublas_us=80.0, best=dict(block_n=8, block_k=512, warps=4, stages=3, us=90.0,
                                                               kind="gemv_pdl"))  # fmt: skip
     assert skinny_linear.register_tiles([row]) == 1

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 4, next device call (carry .whl; ~520 s on a cold machine). The forty-second session moved the H200's 8B
+# 1-row rows onto the pipelined gemv and the 64-row o onto Triton (ops/skinny_linear.py, above _MEASURED), and
+# measured treespec::skinny_glu once on an H200 (verify(64) 5.215-5.232 -> 5.147 ms).
+# 8B rounds, by variant:
+#   default   the shipped tables;
+#   glu       TREECOMPILE_SKINNY_GLU=1 (the verify's gate/up + silu-mul as one GEMM): its second measurement;
+#   old       H200 only: the forty-first session's rows (tests/gpu/h200_s41_rows.json), the A/B of the new table;
+#   o_cublas  H200 only: the new table but the 64-row o back on cuBLAS (tests/gpu/h200_s41_o64.json).
+# PROFILE=1 adds a PDL-off kernel-time profile of the glu rounds (where the verify's time goes with it).
+set -u
+export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
+case $gpu in *H200*) all="default glu old o_cublas";; *) all="default glu";; esac
+[ -n "${PROFILE:-}" ] && all="$all glu_prof"
+for v in ${VARIANTS:-$all}; do
+  env=(PYTHONUNBUFFERED=1); cmd=(python3 -m treecompile.bench); extra=()
+  case $v in
+    default) ;;
+    glu) env+=(TREECOMPILE_SKINNY_GLU=1);;
+    glu_prof) env+=(TREECOMPILE_SKINNY_GLU=1 TREECOMPILE_PDL=0); extra=(--profile "$OUT/prof");;
+    old) cmd=(python3 tests/gpu/variant.py --table tests/gpu/h200_s41_rows.json treecompile.bench);;
+    o_cublas) cmd=(python3 tests/gpu/variant.py --table tests/gpu/h200_s41_o64.json treecompile.bench);;
+    *) echo "unknown variant $v"; continue;;
+  esac
+  start=$(date +%s)
+  env "${env[@]}" timeout ${T_ROUNDS:-165} "${cmd[@]}" rounds --inductor --nodes 64 --reps 10 --no-hf \
+    --json "$OUT/rounds_$v.json" "${extra[@]}" > "$OUT/rounds_$v.log" 2>&1
+  echo "rounds $v rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^\| treecompile|shapes installed|variant:" "$OUT/rounds_$v.log" | head -5
+done
+for f in "$OUT"/prof/*.txt; do [ -e "$f" ] && { echo "== $f"; head -24 "$f" | cut -c1-200; }; done
+cd "$OUT" && tar czf raw.tgz --remove-files $(ls | grep -v -e "^raw.tgz$" -e "json$") && ls -la "$OUT"
