@@ -14,8 +14,10 @@ Numerics follow the unfused graph: g and u are rounded to x's dtype (the gate/up
 summation order differs from cuBLAS's.
 
 Tiles: the gate/up shape's own entry in ``skinny_linear``'s measured table, half as wide (a program streams
-as many weight bytes as that entry's), else its default tiles. ``passes/fuse_glu.py`` applies the op only
-where ``TREECOMPILE_SKINNY_GLU=1`` asks for it, until a round on the GPU has timed it.
+as many weight bytes as that entry's), else its default tiles. ``passes/fuse_glu.py`` applies it to every
+qualifying verify (``TREECOMPILE_SKINNY_GLU=0`` turns it off). Timed in 8B rounds (forty-second session,
+notes/gpu-2026-12-05-s42.md): verify(64) 6.647 -> 6.556 and 6.629 -> 6.551 ms on an H100 SXM, 5.215-5.232 ->
+5.147 on an H200; the decode and draft rounds do not run it.
 
 Shapes
 ------
@@ -90,12 +92,12 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def glu_wanted() -> bool:
-    """``TREECOMPILE_SKINNY_GLU=1``: ``passes/fuse_glu.py`` fuses every qualifying gate/up + silu-mul (A/B runs;
-    off until timed in a round). Anything but 0 / 1 is refused by name."""
+    """Whether ``passes/fuse_glu.py`` fuses every qualifying gate/up + silu-mul: yes unless
+    ``TREECOMPILE_SKINNY_GLU=0`` (the unfused chain, for A/B runs). Anything but 0 / 1 is refused by name."""
     value = os.environ.get(GLU_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{GLU_ENV}: expected 0 or 1, got {value!r}")
-    return value == "1"
+    return value != "0"
 
 
 # --------------------------------------------------------------------------------------------------

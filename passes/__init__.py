@@ -8,7 +8,7 @@ recompile. On CUDA each layer's cache write folds into its attention call. A mat
 weights, q/k/v and gate/up become one linear each; with one that packs CPU linears, float32 linears run on
 oneDNN-packed weights; with one that asks for skinny linears, a gated MLP of <= 16 rows whose shape measured
 faster fused runs as one treespec::fused_mlp call, a verify tree's gate/up and silu-mul run as one
-treespec::skinny_glu call where ``TREECOMPILE_SKINNY_GLU=1`` asks (not yet timed), and 16-bit CUDA linears of
+treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), and 16-bit CUDA linears of
 <= 256 rows run on Triton tiles. Last, an eager CPU graph calls the attention ops' CPU implementations directly
 (no dispatcher).
 """

@@ -1,7 +1,7 @@
 """Run a verify tree's fused gate/up projection and its ``silu(g) * u`` as one ``treespec::skinny_glu`` call.
 
-Runs only when the binding asks for few-row Triton kernels (``TargetBinding(skinny_linears=True)``) and
-``TREECOMPILE_SKINNY_GLU=1`` (A/B runs: not yet timed in a round), after ``fuse_mlp`` (which takes <= 16 rows
+Runs when the binding asks for few-row Triton kernels (``TargetBinding(skinny_linears=True)``) unless
+``TREECOMPILE_SKINNY_GLU=0`` (A/B runs; it took 78-91 us off an 8B verify(64) on an H100), after ``fuse_mlp`` (which takes <= 16 rows
 whole) and before ``skinny_linears`` (which takes the linears one by one). It matches ``fuse_projections``'
 layout as Dynamo records HF's ``LlamaMLP`` (Llama, Qwen2, Qwen3, Mistral)::
 

@@ -84,11 +84,13 @@ def test_bad_input_names_the_argument(make, match):
 
 
 def test_switch_and_tiles(monkeypatch):
-    """``TREECOMPILE_SKINNY_GLU``: off unless 1, anything but 0 / 1 refused by name. The tiles are the gate/up
+    """``TREECOMPILE_SKINNY_GLU``: on unless 0, anything but 0 / 1 refused by name. The tiles are the gate/up
     GEMM's (its measured entry where it has one) at half the slice width."""
     from treecompile.ops import skinny_linear
 
     monkeypatch.delenv(GLU_ENV, raising=False)
+    assert glu_wanted() is True
+    monkeypatch.setenv(GLU_ENV, "0")
     assert glu_wanted() is False
     monkeypatch.setenv(GLU_ENV, "1")
     assert glu_wanted() is True

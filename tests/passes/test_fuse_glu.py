@@ -1,5 +1,5 @@
 """fuse_glu: a verify tree's fused gate/up projection and its silu-mul become one treespec::skinny_glu call
-under TREECOMPILE_SKINNY_GLU=1; everything the pass must not touch stays as it was.
+(unless TREECOMPILE_SKINNY_GLU=0); everything the pass must not touch stays as it was.
 
 The op's Triton path is CUDA-only; here the pass is told CPU counts too (its CPU path is the reference), so
 the rewrite, the cases it leaves alone and the values are checked on this machine, and a float64 generate
@@ -127,6 +127,8 @@ def test_rows_dtype_device_layout_binding_and_switch_rules(cpu_on, monkeypatch):
     assert not calls(fuse_glu(capture(fused_layout, rows(20), gate_up, down), SimpleNamespace()))
     monkeypatch.setenv(glu_op.GLU_ENV, "0")
     assert not calls(fuse_glu(capture(fused_layout, rows(20), gate_up, down), ON))
+    monkeypatch.delenv(glu_op.GLU_ENV)  # unset: on
+    assert calls(fuse_glu(capture(fused_layout, rows(20), gate_up, down), ON))
     monkeypatch.setenv(glu_op.GLU_ENV, "on")
     with pytest.raises(ValueError, match=glu_op.GLU_ENV):
         fuse_glu(capture(fused_layout, rows(20), gate_up, down), ON)
