@@ -4,21 +4,22 @@
 # measured treespec::skinny_glu once on an H200 (verify(64) 5.215-5.232 -> 5.147 ms).
 # 8B rounds, by variant:
 #   default   the shipped tables;
-#   glu       TREECOMPILE_SKINNY_GLU=1 (the verify's gate/up + silu-mul as one GEMM): its second measurement;
+#   noglu     TREECOMPILE_SKINNY_GLU=0 (skinny_glu, on by default since, off: its A/B);
 #   old       H200 only: the forty-first session's rows (tests/gpu/h200_s41_rows.json), the A/B of the new table;
 #   o_cublas  H200 only: the new table but the 64-row o back on cuBLAS (tests/gpu/h200_s41_o64.json).
-# PROFILE=1 adds a PDL-off kernel-time profile of the glu rounds (where the verify's time goes with it).
+# PROFILE=1 adds a PDL-off kernel-time profile of the default (glu) rounds (where the verify's time goes with it).
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
-case $gpu in *H200*) all="default glu old o_cublas";; *) all="default glu";; esac
+case $gpu in *H200*) all="default noglu old o_cublas";; *) all="default noglu";; esac
 [ -n "${PROFILE:-}" ] && all="$all glu_prof"
 for v in ${VARIANTS:-$all}; do
   env=(PYTHONUNBUFFERED=1); cmd=(python3 -m treecompile.bench); extra=()
   case $v in
     default) ;;
+    noglu) env+=(TREECOMPILE_SKINNY_GLU=0);;
     glu) env+=(TREECOMPILE_SKINNY_GLU=1);;
     glu_prof) env+=(TREECOMPILE_SKINNY_GLU=1 TREECOMPILE_PDL=0); extra=(--profile "$OUT/prof");;
     old) cmd=(python3 tests/gpu/variant.py --table tests/gpu/h200_s41_rows.json treecompile.bench);;
