@@ -74,7 +74,7 @@ if HAS_TRITON:
 
 __all__ = [
     "skinny_linear", "skinny_linear_reference", "linear_rows", "SkinnyConfig", "choose_skinny_config",
-    "measured_tiles", "register_tiles", "gemv_config", "gpu_class", "MAX_ROWS", "GEMV_MAX_ROWS",
+    "measured_tiles", "swept_mma_tiles", "register_tiles", "gemv_config", "gpu_class", "MAX_ROWS", "GEMV_MAX_ROWS",
 ]
 
 MAX_ROWS = 256
@@ -414,6 +414,19 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     # Traced, the cache wrapper is skipped anyway (Dynamo warns of it): the plain function, then.
     config = _entry_config.__wrapped__ if torch.compiler.is_compiling() else _entry_config
     return config(M, N, K, best[1])
+
+
+def swept_mma_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int] | None:
+    """(block_n, block_k, num_warps, num_stages) of the nearest swept M's MMA entry for (N, K) in M's band, won
+    against cuBLAS or not, else None: the best Triton tiles a sweep found for that GEMM, for ops that fuse more
+    than it (``skinny_qkv_rope``) and so run on Triton where the plain GEMM stays on cuBLAS."""
+    best = None
+    for m, entry in _swept_rows(N, K).items():
+        if _band(m) == _band(M) and _kind(entry) == "dot" and (
+            best is None or (abs(m - M), m) < (abs(best[0] - M), best[0])
+        ):
+            best = (m, entry)
+    return None if best is None else tuple(best[1][:4])
 
 
 @functools.lru_cache(maxsize=4096)

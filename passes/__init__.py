@@ -8,8 +8,9 @@ recompile. On CUDA each layer's cache write folds into its attention call. A mat
 weights, q/k/v and gate/up become one linear each; with one that packs CPU linears, float32 linears run on
 oneDNN-packed weights; with one that asks for skinny linears, a gated MLP of <= 16 rows whose shape measured
 faster fused runs as one treespec::fused_mlp call, a verify tree's gate/up and silu-mul run as one
-treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), and 16-bit CUDA linears of
-<= 256 rows run on Triton tiles. Last, an eager CPU graph calls the attention ops' CPU implementations directly
+treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), a verify tree's q/k/v projection and
+rotary embedding run as one treespec::skinny_qkv_rope call where ``TREECOMPILE_SKINNY_ROPE=1`` asks (not yet
+timed), and 16-bit CUDA linears of <= 256 rows run on Triton tiles. Last, an eager CPU graph calls the attention ops' CPU implementations directly
 (no dispatcher).
 """
 
@@ -19,6 +20,7 @@ from .direct_cpu_ops import direct_cpu_ops
 from .fuse_cache_write import fuse_cache_write
 from .fuse_glu import fuse_glu
 from .fuse_mlp import fuse_mlp
+from .fuse_qkv_rope import fuse_qkv_rope
 from .fuse_projections import fuse_projections
 from .outer_products import outer_products
 from .pack_cpu_linears import pack_cpu_linears
@@ -28,11 +30,12 @@ from .skinny_linears import skinny_linears
 
 PASSES: list = [
     rewrite_attention, rewrite_linear_attention, check_attention_rewritten, fuse_cache_write, outer_products,
-    fuse_projections, pack_cpu_linears, fuse_mlp, fuse_glu, skinny_linears, clean_up_graph, direct_cpu_ops,
+    fuse_projections, pack_cpu_linears, fuse_mlp, fuse_glu, fuse_qkv_rope, skinny_linears, clean_up_graph,
+    direct_cpu_ops,
 ]
 
 __all__ = [
     "PASSES", "rewrite_attention", "rewrite_linear_attention", "check_attention_rewritten", "fuse_cache_write",
-    "outer_products", "fuse_projections", "pack_cpu_linears", "fuse_mlp", "fuse_glu", "skinny_linears",
+    "outer_products", "fuse_projections", "pack_cpu_linears", "fuse_mlp", "fuse_glu", "fuse_qkv_rope", "skinny_linears",
     "clean_up_graph", "direct_cpu_ops",
 ]

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Issue 4, next device call (carry .whl; ~520 s on a cold machine). The forty-second session moved the H200's 8B
+# Issue 4, next device call (carry .whl; ~600 s on a cold H200: VARIANTS=... to split). The forty-second session moved the H200's 8B
 # 1-row rows onto the pipelined gemv and the 64-row o onto Triton (ops/skinny_linear.py, above _MEASURED), and
 # measured treespec::skinny_glu once on an H200 (verify(64) 5.215-5.232 -> 5.147 ms).
 # 8B rounds, by variant:
 #   default   the shipped tables;
+#   rope      TREECOMPILE_SKINNY_ROPE=1 (the verify's q/k/v GEMM with the rotary embedding as its epilogue,
+#             treespec::skinny_qkv_rope: built in the forty-second session, GPU-untested, so its GPU tests run
+#             first, bf16 included);
 #   noglu     TREECOMPILE_SKINNY_GLU=0 (skinny_glu, on by default since, off: its A/B);
 #   old       H200 only: the forty-first session's rows (tests/gpu/h200_s41_rows.json), the A/B of the new table;
 #   o_cublas  H200 only: the new table but the 64-row o back on cuBLAS (tests/gpu/h200_s41_o64.json).
@@ -13,13 +16,18 @@ export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DI
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
-case $gpu in *H200*) all="default noglu old o_cublas";; *) all="default noglu";; esac
+case $gpu in *H200*) all="default rope noglu old o_cublas";; *) all="default rope noglu";; esac
 [ -n "${PROFILE:-}" ] && all="$all glu_prof"
+case " ${VARIANTS:-$all} " in *" rope "*)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_skinny_qkv_rope.py tests/passes/test_fuse_qkv_rope.py \
+    > "$OUT/rope_tests.log" 2>&1; echo "rope GPU tests rc=$?"; tail -3 "$OUT/rope_tests.log";;
+esac
 for v in ${VARIANTS:-$all}; do
   env=(PYTHONUNBUFFERED=1); cmd=(python3 -m treecompile.bench); extra=()
   case $v in
     default) ;;
     noglu) env+=(TREECOMPILE_SKINNY_GLU=0);;
+    rope) env+=(TREECOMPILE_SKINNY_ROPE=1);;
     glu) env+=(TREECOMPILE_SKINNY_GLU=1);;
     glu_prof) env+=(TREECOMPILE_SKINNY_GLU=1 TREECOMPILE_PDL=0); extra=(--profile "$OUT/prof");;
     old) cmd=(python3 tests/gpu/variant.py --table tests/gpu/h200_s41_rows.json treecompile.bench);;

@@ -70,6 +70,12 @@ def _cases() -> dict:
         cases[f"skinny-glu-{'even' if even else 'tail'}"] = (
             "skinny_glu", "_skinny_glu_kernel", const, dict(x="*bf16", w="*bf16", out="*bf16"), ("M",), 4, 3,
         )  # fmt: skip
+    for even in (True, False):  # q/k/v + rotary embedding at the 8B verify's tiles (qkv's 64-wide slice, halved)
+        const = dict(D=128, PER_HEAD=2, EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128)
+        types = dict(x="*bf16", w="*bf16", cos="*bf16", sin="*bf16", q="*bf16", k="*bf16", v="*bf16")
+        cases[f"skinny-qkv-rope-{'even' if even else 'tail'}"] = (
+            "skinny_qkv_rope", "_skinny_qkv_rope_kernel", const, types, ("M", "Hq", "Hkv"), 4, 4,
+        )  # fmt: skip
     for split_k, prefetch, l2, pipeline in ((1, True, 0, False), (4, True, 0, False), (4, False, 0, False),
                                             (1, True, 2, False), (1, False, 0, True), (4, False, 0, True)):
         const = dict(HAS_BIAS=False, USE_PDL=True, PREFETCH=prefetch, PIPELINE=pipeline, BLOCK_M=1, BLOCK_N=4,
@@ -211,6 +217,13 @@ def test_cascade_merge_compiles(report, rows):
 def test_skinny_glu_kernel_compiles_pipelined(report, k_tail):
     """The gated GEMM streams x and both weight row ranges through async copies (three loads a K step)."""
     entry = _entry(report, f"skinny-glu-{k_tail}")
+    assert entry["async_copies"] >= 3 and entry["pdl_waits"] == 1, entry
+
+
+@pytest.mark.parametrize("k_tail", ["even", "tail"])
+def test_skinny_qkv_rope_kernel_compiles_pipelined(report, k_tail):
+    """The q/k/v + rotary GEMM streams x and both head halves' weight rows through async copies."""
+    entry = _entry(report, f"skinny-qkv-rope-{k_tail}")
     assert entry["async_copies"] >= 3 and entry["pdl_waits"] == 1, entry
 
 

@@ -1,0 +1,170 @@
+"""treespec::skinny_qkv_rope: the Triton kernel (interpreter on CPU, the device on GPU) against the float64 unfused
+q/k/v projection + HF rotary embedding, over row counts 1..64, GQA and MHA head counts, head dims whose half is one
+or several programs, K not a multiple of the step, strided inputs; the op's CPU path, its tiles and its boundary
+checks. Outputs are poisoned with NaN so an unwritten element fails. bfloat16 runs on the GPU only (the
+interpreter's tl.dot misreads bfloat16 operands)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import poisoned
+from treecompile.ops.skinny_qkv_rope import (
+    MAX_ROWS, ROPE_ENV, _launch_skinny_qkv_rope, rope_config, rope_wanted, skinny_qkv_rope_reference,
+)  # fmt: skip
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _rotary(M, D, dtype, gen, base=10000.0):
+    """HF's default rotary tables for M rows at scattered positions (a tree's depths over a prefix)."""
+    positions = torch.randint(0, 4096, (M,), generator=gen).double()
+    inv_freq = 1.0 / base ** (torch.arange(0, D, 2).double() / D)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _inputs(M, K, Hq, Hkv, D, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = (torch.randn((Hq + 2 * Hkv) * D, K, generator=gen) / K**0.5).to(dtype)
+    cos, sin = _rotary(M, D, dtype, gen)
+    return x, w, cos, sin
+
+
+def _hf_float64(x, w, cos, sin, Hq, Hkv):
+    """The oracle, written out as HF does it: q_proj / k_proj / v_proj, then apply_rotary_pos_emb, all float64."""
+    M, D = x.shape[0], cos.shape[1]
+    x, w, cos, sin = (t.cpu().double() for t in (x, w, cos, sin))
+    out = x @ w.T
+    q, k, v = out.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+
+    def rope(a, H):
+        a = a.reshape(M, H, D)
+        rot = torch.cat((-a[..., D // 2 :], a[..., : D // 2]), dim=-1)
+        return (a * cos[:, None] + rot * sin[:, None]).reshape(M, H * D)
+
+    return rope(q, Hq), rope(k, Hkv), v
+
+
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16], ids=str)
+@pytest.mark.parametrize(
+    "M,K,Hq,Hkv,D,config",
+    [(1, 64, 2, 1, 32, (16, 16, 32, 4, 2)), (17, 72, 4, 2, 32, (32, 16, 32, 4, 2)),
+     (20, 96, 4, 4, 64, (32, 16, 32, 4, 3)), (64, 200, 8, 2, 64, (64, 32, 16, 4, 2)), (33, 64, 6, 2, 64, None)],
+)  # fmt: skip
+def test_matches_the_float64_unfused_graph(dtype, M, K, Hq, Hkv, D, config, kernel_device):
+    d = kernel_device
+    x, w, cos, sin = (t.to(d) for t in _inputs(M, K, Hq, Hkv, D, dtype, seed=M + K + D))
+    q, k, v = poisoned((M, Hq * D), dtype, d), poisoned((M, Hkv * D), dtype, d), poisoned((M, Hkv * D), dtype, d)
+    _launch_skinny_qkv_rope(x, w, cos, sin, q, k, v, config)
+    for name, got in (("q", q), ("k", k), ("v", v)):
+        assert not got.isnan().any(), f"unwritten {name} elements"
+    tol = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
+    for got, want in zip((q, k, v), _hf_float64(x, w, cos, sin, Hq, Hkv)):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    if dtype == torch.float16:  # the reference's roundings: the GEMM output, then one rounding of the rotation
+        for got, want in zip((q, k, v), skinny_qkv_rope_reference(x.cpu(), w.cpu(), cos.cpu(), sin.cpu(), Hq, Hkv)):
+            torch.testing.assert_close(got.cpu(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_strided_inputs_and_outputs(kernel_device):
+    d = kernel_device
+    M, K, Hq, Hkv, D = 20, 64, 4, 2, 32
+    x, w, cos, sin = (t.to(d) for t in _inputs(M, K, Hq, Hkv, D, torch.float32, seed=5))
+    wide_x = torch.zeros(M, K + 16, device=d)
+    wide_x[:, 8 : 8 + K] = x
+    wide_cs = torch.zeros(M, 3 * D, device=d)  # cos and sin as column ranges of one table
+    wide_cs[:, :D], wide_cs[:, 2 * D :] = cos, sin
+    wide_q = torch.full((M, Hq * D + 8), float("nan"), device=d)
+    k, v = poisoned((M, Hkv * D), torch.float32, d), poisoned((M, Hkv * D), torch.float32, d)
+    q = wide_q[:, 4 : 4 + Hq * D]
+    _launch_skinny_qkv_rope(wide_x[:, 8 : 8 + K], w, wide_cs[:, :D], wide_cs[:, 2 * D :], q, k, v, (32, 16, 32, 4, 2))
+    for got, want in zip((q, k, v), _hf_float64(x, w, cos, sin, Hq, Hkv)):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert wide_q[:, :4].isnan().all() and wide_q[:, 4 + Hq * D :].isnan().all()  # nothing written outside q
+
+
+def test_op_on_cpu_is_the_reference_and_traces():
+    M, K, Hq, Hkv, D = 24, 32, 4, 2, 8
+    x, w, cos, sin = _inputs(M, K, Hq, Hkv, D, torch.float64)
+    got = torch.ops.treespec.skinny_qkv_rope(x, w, cos, sin, Hq, Hkv)
+    for g, want in zip(got, _hf_float64(x, w, cos, sin, Hq, Hkv)):
+        torch.testing.assert_close(g, want)
+        assert g.is_contiguous()
+
+    def f(a, b, c, s):
+        q, k, v = torch.ops.treespec.skinny_qkv_rope(a, b, c, s, Hq, Hkv)
+        return q * 2, k, v
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for g, want in zip(compiled(x, w, cos, sin), (got[0] * 2, got[1], got[2])):
+        assert torch.equal(g, want)
+    x16, w16, c16, s16 = _inputs(20, 32, 2, 1, 8, torch.float16, seed=3)  # 16-bit: rotation in float32, one rounding
+    q16 = skinny_qkv_rope_reference(x16, w16, c16, s16, 2, 1)[0]
+    a = (x16 @ w16[:16].T).float().view(20, 2, 8)
+    rot = torch.cat((-a[..., 4:], a[..., :4]), dim=-1)
+    assert torch.equal(q16, (a * c16.float()[:, None] + rot * s16.float()[:, None]).half().reshape(20, 16))
+
+
+def _args(M=2, K=8, Hq=2, Hkv=1, D=4, **over):
+    a = dict(x=torch.zeros(M, K), w=torch.zeros((Hq + 2 * Hkv) * D, K), cos=torch.zeros(M, D), sin=torch.zeros(M, D),
+             Hq=Hq, Hkv=Hkv)  # fmt: skip
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (dict(x=torch.zeros(MAX_ROWS + 1, 8)), f"1..{MAX_ROWS} rows"),
+        (dict(w=torch.zeros(15, 8)), r"weight: expected \[\(Hq \+ 2 Hkv\) D = 16, K=8\]"),
+        (dict(w=torch.zeros(16, 9)), r"weight: expected \[\(Hq \+ 2 Hkv\) D = 16, K=8\]"),
+        (dict(w=torch.zeros(16, 8, dtype=torch.float16)), "weight: expected dtype"),
+        (dict(w=torch.zeros(16, 16)[:, ::2]), "weight: expected contiguous rows"),
+        (dict(x=torch.zeros(8, 2).t()), "x: the last dim must have stride 1"),
+        (dict(cos=torch.zeros(4, 2).t()), "cos: the last dim must have stride 1"),
+        (dict(cos=torch.zeros(3, 4)), r"cos, sin: expected \[M=2, D\]"),
+        (dict(sin=torch.zeros(2, 6)), r"cos, sin: expected \[M=2, D\]"),
+        (dict(cos=torch.zeros(2, 3), sin=torch.zeros(2, 3)), "D must be even"),
+        (dict(Hq=3, Hkv=2), "num_q_heads, num_kv_heads"),
+        (dict(Hkv=0), "num_q_heads, num_kv_heads"),
+        (dict(sin=torch.zeros(2, 4, dtype=torch.float64)), "sin: expected dtype"),
+        (dict(x=torch.zeros(8)), "x: expected a 2-d"),
+    ],
+)
+def test_bad_input_names_the_argument(over, match):
+    a = _args(**over)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.treespec.skinny_qkv_rope(a["x"], a["w"], a["cos"], a["sin"], a["Hq"], a["Hkv"])
+
+
+def test_switch_and_tiles(monkeypatch):
+    """``TREECOMPILE_SKINNY_ROPE``: off unless 1, anything but 0 / 1 refused by name. The tiles are the q/k/v
+    GEMM's swept MMA entry (even where cuBLAS won it) at half the slice width, dividing D/2."""
+    from treecompile.ops import skinny_linear
+
+    monkeypatch.delenv(ROPE_ENV, raising=False)
+    assert rope_wanted() is False
+    monkeypatch.setenv(ROPE_ENV, "1")
+    assert rope_wanted() is True
+    monkeypatch.setenv(ROPE_ENV, "on")
+    with pytest.raises(ValueError, match=ROPE_ENV):
+        rope_wanted()
+    monkeypatch.setattr(skinny_linear, "gpu_class", lambda: "H100 SXM")
+    assert skinny_linear.measured_tiles(64, 6144, 4096) is None  # cuBLAS keeps the plain GEMM ...
+    assert rope_config(64, 6144, 4096, 128) == (64, 32, 128, 4, 4)  # ... its 64 x 128 tiles serve the fused op
+    monkeypatch.setattr(skinny_linear, "gpu_class", lambda: None)
+    assert rope_config(40, 6144, 4096, 128) == (64, 16, 128, 4, 4)  # the H200's 32-wide entry, nearest M 64
+    assert rope_config(64, 6144, 4096, 96)[1] == 16  # 48 features a half: 16 divides it, 32 does not
+    row = dict(M=32, N=192, K=64, cublas_us=10.0, best=dict(block_n=64, block_k=32, warps=4, stages=2, us=8.0))
+    skinny_linear.register_tiles([row])
+    try:
+        assert rope_config(32, 192, 64, 32) == (32, 16, 32, 4, 2)  # D/2 = 16 caps the half at 16
+        assert rope_config(32, 192, 64, 64) == (32, 32, 32, 4, 2)
+    finally:
+        skinny_linear._REGISTERED.pop((32, 192, 64))
