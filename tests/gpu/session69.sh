@@ -5,8 +5,7 @@
 # 8B rounds, by variant:
 #   default   the shipped tables;
 #   rope      TREECOMPILE_SKINNY_ROPE=1 (the verify's q/k/v GEMM with the rotary embedding as its epilogue,
-#             treespec::skinny_qkv_rope: built in the forty-second session, GPU-untested, so its GPU tests run
-#             first, bf16 included);
+#             treespec::skinny_qkv_rope: its GPU tests run first; one H100 run so far, not a same-machine A/B);
 #   noglu     TREECOMPILE_SKINNY_GLU=0 (skinny_glu, on by default since, off: its A/B);
 #   old       H200 only: the forty-first session's rows (tests/gpu/h200_s41_rows.json), the A/B of the new table;
 #   o_cublas  H200 only: the new table but the 64-row o back on cuBLAS (tests/gpu/h200_s41_o64.json).
