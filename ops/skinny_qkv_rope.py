@@ -26,6 +26,8 @@ Shapes
 x       [M, K]   float16 / bfloat16 / float32 (float64 on the CPU: the reference); 1 <= M <= MAX_ROWS (64);
                  last dim contiguous, any row stride
 weight  [(Hq + 2 Hkv) D, K]  x's dtype, contiguous rows: q heads, then k heads, then v heads (``fuse_projections``)
+bias    [(Hq + 2 Hkv) D] or None, x's dtype, any stride (Qwen2's q/k/v bias: added to the float32 sums before
+                 the rounding, as an addmm does)
 cos/sin [M, D]   x's dtype, last dim contiguous, any row stride: row i's rotary table (HF's ``cos``/``sin``)
 out     q [M, Hq D], k [M, Hkv D] (both rotated), v [M, Hkv D]; x's dtype, contiguous
 
@@ -64,20 +66,21 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float
 
 @torch.library.custom_op("treespec::skinny_qkv_rope", mutates_args=())
 def skinny_qkv_rope(
-    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    num_q_heads: int, num_kv_heads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rope(x @ Wq.T), rope(x @ Wk.T), x @ Wv.T)`` for ``x [M <= 64, K]`` (see the module docstring)."""
-    D = _check_inputs(x, weight, cos, sin, num_q_heads, num_kv_heads)
+    """``(rope(x @ Wq.T + bq), rope(x @ Wk.T + bk), x @ Wv.T + bv)`` for ``x [M <= 64, K]`` (module docstring)."""
+    D = _check_inputs(x, weight, bias, cos, sin, num_q_heads, num_kv_heads)
     if use_triton(x, weight, cos, sin):
         q, k, v = _empty_outputs(x, num_q_heads, num_kv_heads, D)
-        _launch_skinny_qkv_rope(x, weight, cos, sin, q, k, v)
+        _launch_skinny_qkv_rope(x, weight, bias, cos, sin, q, k, v)
         return q, k, v
-    return skinny_qkv_rope_reference(x, weight, cos, sin, num_q_heads, num_kv_heads)
+    return skinny_qkv_rope_reference(x, weight, bias, cos, sin, num_q_heads, num_kv_heads)
 
 
 @skinny_qkv_rope.register_fake
-def _(x, weight, cos, sin, num_q_heads, num_kv_heads):
-    D = _check_inputs(x, weight, cos, sin, num_q_heads, num_kv_heads)
+def _(x, weight, bias, cos, sin, num_q_heads, num_kv_heads):
+    D = _check_inputs(x, weight, bias, cos, sin, num_q_heads, num_kv_heads)
     return _empty_outputs(x, num_q_heads, num_kv_heads, D)
 
 
@@ -86,7 +89,7 @@ def _empty_outputs(x, num_q_heads, num_kv_heads, D):
     return x.new_empty((M, num_q_heads * D)), x.new_empty((M, num_kv_heads * D)), x.new_empty((M, num_kv_heads * D))
 
 
-def _check_inputs(x, weight, cos, sin, num_q_heads: int, num_kv_heads: int) -> int:
+def _check_inputs(x, weight, bias, cos, sin, num_q_heads: int, num_kv_heads: int) -> int:
     """Returns D (the head dim) once every argument is checked."""
     check_dim("x", x, 2, "[M, K]")
     check_dim("weight", weight, 2, "[(Hq + 2 Hkv) D, K]")
@@ -111,6 +114,12 @@ def _check_inputs(x, weight, cos, sin, num_q_heads: int, num_kv_heads: int) -> i
     heads = num_q_heads + 2 * num_kv_heads
     if tuple(weight.shape) != (heads * D, K):
         raise ValueError(f"weight: expected [(Hq + 2 Hkv) D = {heads * D}, K={K}], got {tuple(weight.shape)}")
+    if bias is not None:
+        check_dim("bias", bias, 1, "[(Hq + 2 Hkv) D]")
+        check_dtype("bias", bias, x.dtype)
+        if bias.shape[0] != heads * D:
+            raise ValueError(f"bias: expected [(Hq + 2 Hkv) D = {heads * D}], got {tuple(bias.shape)}")
+        check_same_device(x=x, bias=bias)
     if x.device.type == "cuda" and (D // 2) % MIN_HALF:
         raise ValueError(f"cos: on CUDA the half head dim D/2 must be a multiple of {MIN_HALF}, got D={D}")
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
@@ -154,7 +163,7 @@ def rope_config(M: int, N: int, K: int, D: int):
     return max(16, triton.next_power_of_2(M)), half, block_k, warps, stages
 
 
-def _launch_skinny_qkv_rope(x, weight, cos, sin, q, k, v, config=None) -> None:
+def _launch_skinny_qkv_rope(x, weight, bias, cos, sin, q, k, v, config=None) -> None:
     """Fill preallocated ``q, k, v`` (any row stride, last dim contiguous). ``config``: a ``rope_config`` tuple
     (tests and sweeps), else ``rope_config``'s choice."""
     M, K = x.shape
@@ -166,9 +175,10 @@ def _launch_skinny_qkv_rope(x, weight, cos, sin, q, k, v, config=None) -> None:
     pdl = pdl_enabled(x.device)
     per_head = D // 2 // block_n
     _skinny_qkv_rope_kernel[((Hq + 2 * Hkv) * per_head,)](
-        x, weight, cos, sin, q, k, v, M, K, Hq, Hkv,
-        x.stride(0), weight.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k.stride(0), v.stride(0),
-        D=D, PER_HEAD=per_head, EVEN_K=K % block_k == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        x, weight, weight if bias is None else bias, cos, sin, q, k, v, M, K, Hq, Hkv,
+        x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0), cos.stride(0), sin.stride(0),
+        q.stride(0), k.stride(0), v.stride(0), HAS_BIAS=bias is not None, D=D, PER_HEAD=per_head,
+        EVEN_K=K % block_k == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         **(dict(launch_pdl=True) if pdl else {}),
     )  # fmt: skip
@@ -178,14 +188,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_qkv_rope_kernel(
-        x, w, cos, sin, q, k, v, M, K, Hq, Hkv, s_xm, s_wn, s_cm, s_sm, s_qm, s_km, s_vm,
-        D: tl.constexpr, PER_HEAD: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x, w, b, cos, sin, q, k, v, M, K, Hq, Hkv, s_xm, s_wn, s_b, s_cm, s_sm, s_qm, s_km, s_vm,
+        HAS_BIAS: tl.constexpr, D: tl.constexpr, PER_HEAD: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+        USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program p: head h = p // PER_HEAD (q heads, then k, then v), features [c, c + BLOCK_N) of both its
         halves, c = (p % PER_HEAD) * BLOCK_N: weight rows h D + c (lo) and h D + D/2 + c (hi), accumulated over K
-        in two float32 tiles from one x tile a step. Epilogue: both rounded to x's dtype; q and k heads rotate
-        (lo' = lo cos - hi sin, hi' = hi cos + lo sin in float32), v heads do not; stored to their output.
+        in two float32 tiles from one x tile a step. Epilogue: the bias added (HAS_BIAS), both rounded to x's
+        dtype; q and k heads rotate (lo' = lo cos - hi sin, hi' = hi cos + lo sin in float32), v heads do not;
+        stored to their output.
         Rows past M read row 0 (in bounds) and are dropped at the store."""
         pid = tl.program_id(0)
         h = pid // PER_HEAD
@@ -220,6 +231,9 @@ if HAS_TRITON:
             x_ptrs += BLOCK_K
             lo_ptrs += BLOCK_K
             hi_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc_lo += tl.load(b + lo_rows * s_b).to(tl.float32)[None, :]
+            acc_hi += tl.load(b + (lo_rows + HALF) * s_b).to(tl.float32)[None, :]
         lo = acc_lo.to(q.dtype.element_ty).to(tl.float32)  # the fused linear's rounding
         hi = acc_hi.to(q.dtype.element_ty).to(tl.float32)
         col = c + rn
@@ -255,11 +269,11 @@ def rotate_half_reference(a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return a * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def skinny_qkv_rope_reference(x, weight, cos, sin, num_q_heads: int, num_kv_heads: int):
+def skinny_qkv_rope_reference(x, weight, bias, cos, sin, num_q_heads: int, num_kv_heads: int):
     """The CPU path and the test oracle: the unfused graph's ops and roundings (F.linear in x's dtype, then the
     rotation in float32 for 16-bit x, rounded back)."""
     M, D = x.shape[0], cos.shape[1]
-    qkv = F.linear(x, weight)
+    qkv = F.linear(x, weight, bias)
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     q, k, v = qkv.split([num_q_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     c, s = cos.to(wide), sin.to(wide)

@@ -3,18 +3,18 @@
 Runs only when the binding asks for few-row Triton kernels (``TargetBinding(skinny_linears=True)``) and
 ``TREECOMPILE_SKINNY_ROPE=1`` (A/B runs: not yet timed in a round), after ``fuse_glu`` and before
 ``skinny_linears`` (which would take the projection alone). It matches ``fuse_projections``' layout and HF's
-``apply_rotary_pos_emb`` as Dynamo records them in Llama and Mistral attention::
+``apply_rotary_pos_emb`` as Dynamo records them in Llama, Qwen2 and Mistral attention::
 
-    qkv = linear(x, qkv_w); gq, gk, gv = split(qkv, [Hq D, Hkv D, Hkv D], dim=-1)
+    qkv = linear(x, qkv_w, qkv_b or None); gq, gk, gv = split(qkv, [Hq D, Hkv D, Hkv D], dim=-1)
     q = view(gq, (B, T, -1, D)).transpose(1, 2)          (k likewise)
     q_embed = q * cos.unsqueeze(1) + cat((-q[..., D/2:], q[..., :D/2]), dim=-1) * sin.unsqueeze(1)
 
-and rewrites it to ``q, k, v = skinny_qkv_rope(x.reshape(M, H), qkv_w, cos.reshape(M, D), sin.reshape(M, D),
-Hq, Hkv)``, each reshaped to the split's ``[B, T, *]``: the views and transposes after the split then read
+and rewrites it to ``q, k, v = skinny_qkv_rope(x.reshape(M, H), qkv_w, qkv_b, cos.reshape(M, D),
+sin.reshape(M, D), Hq, Hkv)``, each reshaped to the split's ``[B, T, *]``: the views and transposes after the split then read
 rotated q and k, and ``q_embed`` / ``k_embed`` are those views. It applies where x is a 16-bit CUDA tensor of
-17..64 rows (static dims: a tree's verify), the projection has no bias, D / 2 is a multiple of 16, q and k are
-rotated by the same tables and every replaced value has no other user; anything else (Qwen2's q/k/v bias,
-Qwen3's per-head q/k norms between the view and the rotation) is left exactly as it was. Why one call:
+17..64 rows (static dims: a tree's verify), D / 2 is a multiple of 16, q and k are rotated by the same tables
+and every replaced value has no other user; anything else (Qwen3's per-head q/k norms between the view and the
+rotation, say) is left exactly as it was. Why one call:
 :mod:`treecompile.ops.skinny_qkv_rope`.
 """
 
@@ -30,7 +30,8 @@ import torch.fx
 from treecompile.ops import skinny_qkv_rope as rope_op
 
 from ._graph import node_value
-from .fuse_mlp import _plain_linear, _split_half
+from .fuse_mlp import _split_half
+from .fuse_projections import _linear_args
 
 logger = logging.getLogger(__name__)
 
@@ -163,11 +164,19 @@ def _match(gm, q_embed, rotations):
     items = {idx: user for user in split.users if (found := _split_half(user)) and (idx := found[1]) in (0, 1, 2)}
     if len(items) != 3 or len(split.users) != 3:
         return None
-    proj = _plain_linear(split.args[0])
+    proj = _linear_args(split.args[0]) if isinstance(split.args[0], torch.fx.Node) else None
     if proj is None or not _sole_user(split.args[0], split):
         return None
-    x, weight = proj
+    x, weight, bias = proj
     x_value, w_value = node_value(gm, x), node_value(gm, weight)
+    if w_value is None:
+        return None
+    if bias is not None:  # Qwen2: a [N] bias of the weight's dtype and device
+        b_value = node_value(gm, bias)
+        if b_value is None or tuple(b_value.shape) != (w_value.shape[0],):
+            return None
+        if b_value.dtype != w_value.dtype or b_value.device != w_value.device:
+            return None
     cos_b, sin_b = _unsqueezed(cos_u), _unsqueezed(sin_u)
     c_value, s_value = node_value(gm, cos_b), node_value(gm, sin_b)
     if x_value is None or w_value is None or c_value is None or s_value is None:
@@ -185,7 +194,7 @@ def _match(gm, q_embed, rotations):
             return None
     if tuple(x_value.shape[:-1]) != (B, T) or not MIN_ROWS <= B * T <= rope_op.MAX_ROWS:
         return None
-    return dict(x=x, weight=weight, cos=cos_b, sin=sin_b, B=B, T=T, D=D, H=x_value.shape[-1], Hq=Hq, Hkv=Hkv,
+    return dict(x=x, weight=weight, bias=bias, cos=cos_b, sin=sin_b, B=B, T=T, D=D, H=x_value.shape[-1], Hq=Hq, Hkv=Hkv,
                 items=items, split=split, linear=split.args[0], q=(q_embed, a, removed_q),
                 k=(k_embed, ka, removed_k), cos_u=cos_u, sin_u=sin_u)  # fmt: skip
 
@@ -214,7 +223,7 @@ def fuse_qkv_rope(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
             cos = graph.call_method("reshape", (m["cos"], M, D))
             sin = graph.call_method("reshape", (m["sin"], M, D))
             out = graph.call_function(torch.ops.treespec.skinny_qkv_rope.default,
-                                      (rows, m["weight"], cos, sin, m["Hq"], m["Hkv"]))  # fmt: skip
+                                      (rows, m["weight"], m["bias"], cos, sin, m["Hq"], m["Hkv"]))  # fmt: skip
             parts = [graph.call_function(operator.getitem, (out, i)) for i in range(3)]
             shaped = [graph.call_method("reshape", (p, B, T, w)) for p, w in zip(parts, widths)]
         stack = dict(lin.meta.get("nn_module_stack") or {})

@@ -39,8 +39,8 @@ def main():
     freqs = pos[:, None] / 500000.0 ** (torch.arange(0, D, 2, device=dev).double() / D)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(dt), emb.sin().to(dt)
-    got = torch.ops.treespec.skinny_qkv_rope(x, ws[0], cos, sin, HQ, HKV)
-    want = skinny_qkv_rope_reference(x.double(), ws[0].double(), cos.double(), sin.double(), HQ, HKV)
+    got = torch.ops.treespec.skinny_qkv_rope(x, ws[0], None, cos, sin, HQ, HKV)
+    want = skinny_qkv_rope_reference(x.double(), ws[0].double(), None, cos.double(), sin.double(), HQ, HKV)
     err = max((g.double() - w).abs().max().item() for g, w in zip(got, want))
     ref16 = rope(F.linear(x, ws[0]), cos, sin)
     err16 = max((g.double() - w.double()).abs().max().item() for g, w in zip(got, ref16))
@@ -57,7 +57,7 @@ def main():
     rows = {
         "cublas qkv": lambda: F.linear(x, nxt()),
         "cublas qkv + compiled rope": lambda: rope_c(F.linear(x, nxt()), cos, sin),
-        "skinny_qkv_rope": lambda: torch.ops.treespec.skinny_qkv_rope(x, nxt(), cos, sin, HQ, HKV),
+        "skinny_qkv_rope": lambda: torch.ops.treespec.skinny_qkv_rope(x, nxt(), None, cos, sin, HQ, HKV),
         "compiled rope alone": lambda: rope_c(qkv0, cos, sin),
     }
     out = {"config": list(rope_config(M, N, K, D)), "max_err_f64": err, "max_err_bf16": err16}

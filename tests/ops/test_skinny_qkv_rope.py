@@ -33,11 +33,11 @@ def _inputs(M, K, Hq, Hkv, D, dtype, seed=0):
     return x, w, cos, sin
 
 
-def _hf_float64(x, w, cos, sin, Hq, Hkv):
+def _hf_float64(x, w, cos, sin, Hq, Hkv, bias=None):
     """The oracle, written out as HF does it: q_proj / k_proj / v_proj, then apply_rotary_pos_emb, all float64."""
     M, D = x.shape[0], cos.shape[1]
     x, w, cos, sin = (t.cpu().double() for t in (x, w, cos, sin))
-    out = x @ w.T
+    out = x @ w.T + (0 if bias is None else bias.cpu().double())
     q, k, v = out.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
 
     def rope(a, H):
@@ -61,15 +61,33 @@ def test_matches_the_float64_unfused_graph(dtype, M, K, Hq, Hkv, D, config, kern
     d = kernel_device
     x, w, cos, sin = (t.to(d) for t in _inputs(M, K, Hq, Hkv, D, dtype, seed=M + K + D))
     q, k, v = poisoned((M, Hq * D), dtype, d), poisoned((M, Hkv * D), dtype, d), poisoned((M, Hkv * D), dtype, d)
-    _launch_skinny_qkv_rope(x, w, cos, sin, q, k, v, config)
+    _launch_skinny_qkv_rope(x, w, None, cos, sin, q, k, v, config)
     for name, got in (("q", q), ("k", k), ("v", v)):
         assert not got.isnan().any(), f"unwritten {name} elements"
     tol = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
     for got, want in zip((q, k, v), _hf_float64(x, w, cos, sin, Hq, Hkv)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
     if dtype == torch.float16:  # the reference's roundings: the GEMM output, then one rounding of the rotation
-        for got, want in zip((q, k, v), skinny_qkv_rope_reference(x.cpu(), w.cpu(), cos.cpu(), sin.cpu(), Hq, Hkv)):
+        for got, want in zip((q, k, v), skinny_qkv_rope_reference(x.cpu(), w.cpu(), None, cos.cpu(), sin.cpu(), Hq, Hkv)):
             torch.testing.assert_close(got.cpu(), want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_bias_is_added_before_the_rotation(dtype, kernel_device):
+    """Qwen2's q/k/v bias, strided: added to the float32 sums, then rounded and rotated."""
+    d = kernel_device
+    M, K, Hq, Hkv, D = 24, 64, 4, 2, 32
+    x, w, cos, sin = (t.to(d) for t in _inputs(M, K, Hq, Hkv, D, dtype, seed=11))
+    bias = torch.randn(2 * (Hq + 2 * Hkv) * D, generator=torch.Generator().manual_seed(2)).to(dtype).to(d)[::2]
+    q, k, v = poisoned((M, Hq * D), dtype, d), poisoned((M, Hkv * D), dtype, d), poisoned((M, Hkv * D), dtype, d)
+    _launch_skinny_qkv_rope(x, w, bias, cos, sin, q, k, v, (32, 16, 32, 4, 2))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip((q, k, v), _hf_float64(x, w, cos, sin, Hq, Hkv, bias)):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    x64, w64, c64, s64, b64 = (t.cpu().double() for t in (x, w, cos, sin, bias))
+    for got, want in zip(torch.ops.treespec.skinny_qkv_rope(x64, w64, b64, c64, s64, Hq, Hkv),
+                         _hf_float64(x64, w64, c64, s64, Hq, Hkv, b64)):  # fmt: skip
+        torch.testing.assert_close(got, want)
 
 
 def test_strided_inputs_and_outputs(kernel_device):
@@ -83,7 +101,7 @@ def test_strided_inputs_and_outputs(kernel_device):
     wide_q = torch.full((M, Hq * D + 8), float("nan"), device=d)
     k, v = poisoned((M, Hkv * D), torch.float32, d), poisoned((M, Hkv * D), torch.float32, d)
     q = wide_q[:, 4 : 4 + Hq * D]
-    _launch_skinny_qkv_rope(wide_x[:, 8 : 8 + K], w, wide_cs[:, :D], wide_cs[:, 2 * D :], q, k, v, (32, 16, 32, 4, 2))
+    _launch_skinny_qkv_rope(wide_x[:, 8 : 8 + K], w, None, wide_cs[:, :D], wide_cs[:, 2 * D :], q, k, v, (32, 16, 32, 4, 2))
     for got, want in zip((q, k, v), _hf_float64(x, w, cos, sin, Hq, Hkv)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
     assert wide_q[:, :4].isnan().all() and wide_q[:, 4 + Hq * D :].isnan().all()  # nothing written outside q
@@ -92,28 +110,28 @@ def test_strided_inputs_and_outputs(kernel_device):
 def test_op_on_cpu_is_the_reference_and_traces():
     M, K, Hq, Hkv, D = 24, 32, 4, 2, 8
     x, w, cos, sin = _inputs(M, K, Hq, Hkv, D, torch.float64)
-    got = torch.ops.treespec.skinny_qkv_rope(x, w, cos, sin, Hq, Hkv)
+    got = torch.ops.treespec.skinny_qkv_rope(x, w, None, cos, sin, Hq, Hkv)
     for g, want in zip(got, _hf_float64(x, w, cos, sin, Hq, Hkv)):
         torch.testing.assert_close(g, want)
         assert g.is_contiguous()
 
     def f(a, b, c, s):
-        q, k, v = torch.ops.treespec.skinny_qkv_rope(a, b, c, s, Hq, Hkv)
+        q, k, v = torch.ops.treespec.skinny_qkv_rope(a, b, None, c, s, Hq, Hkv)
         return q * 2, k, v
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     for g, want in zip(compiled(x, w, cos, sin), (got[0] * 2, got[1], got[2])):
         assert torch.equal(g, want)
     x16, w16, c16, s16 = _inputs(20, 32, 2, 1, 8, torch.float16, seed=3)  # 16-bit: rotation in float32, one rounding
-    q16 = skinny_qkv_rope_reference(x16, w16, c16, s16, 2, 1)[0]
+    q16 = skinny_qkv_rope_reference(x16, w16, None, c16, s16, 2, 1)[0]
     a = (x16 @ w16[:16].T).float().view(20, 2, 8)
     rot = torch.cat((-a[..., 4:], a[..., :4]), dim=-1)
     assert torch.equal(q16, (a * c16.float()[:, None] + rot * s16.float()[:, None]).half().reshape(20, 16))
 
 
 def _args(M=2, K=8, Hq=2, Hkv=1, D=4, **over):
-    a = dict(x=torch.zeros(M, K), w=torch.zeros((Hq + 2 * Hkv) * D, K), cos=torch.zeros(M, D), sin=torch.zeros(M, D),
-             Hq=Hq, Hkv=Hkv)  # fmt: skip
+    a = dict(x=torch.zeros(M, K), w=torch.zeros((Hq + 2 * Hkv) * D, K), b=None, cos=torch.zeros(M, D),
+             sin=torch.zeros(M, D), Hq=Hq, Hkv=Hkv)  # fmt: skip
     a.update(over)
     return a
 
@@ -135,12 +153,15 @@ def _args(M=2, K=8, Hq=2, Hkv=1, D=4, **over):
         (dict(Hkv=0), "num_q_heads, num_kv_heads"),
         (dict(sin=torch.zeros(2, 4, dtype=torch.float64)), "sin: expected dtype"),
         (dict(x=torch.zeros(8)), "x: expected a 2-d"),
+        (dict(b=torch.zeros(15)), r"bias: expected \[\(Hq \+ 2 Hkv\) D = 16\]"),
+        (dict(b=torch.zeros(16, 1)), "bias: expected a 1-d"),
+        (dict(b=torch.zeros(16, dtype=torch.float16)), "bias: expected dtype"),
     ],
 )
 def test_bad_input_names_the_argument(over, match):
     a = _args(**over)
     with pytest.raises(ValueError, match=match):
-        torch.ops.treespec.skinny_qkv_rope(a["x"], a["w"], a["cos"], a["sin"], a["Hq"], a["Hkv"])
+        torch.ops.treespec.skinny_qkv_rope(a["x"], a["w"], a["b"], a["cos"], a["sin"], a["Hq"], a["Hkv"])
 
 
 def test_switch_and_tiles(monkeypatch):

@@ -71,10 +71,11 @@ def _cases() -> dict:
             "skinny_glu", "_skinny_glu_kernel", const, dict(x="*bf16", w="*bf16", out="*bf16"), ("M",), 4, 3,
         )  # fmt: skip
     for even in (True, False):  # q/k/v + rotary embedding at the 8B verify's tiles (qkv's 64-wide slice, halved)
-        const = dict(D=128, PER_HEAD=2, EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128)
-        types = dict(x="*bf16", w="*bf16", cos="*bf16", sin="*bf16", q="*bf16", k="*bf16", v="*bf16")
+        const = dict(HAS_BIAS=not even, D=128, PER_HEAD=2, EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64,
+                     BLOCK_N=32, BLOCK_K=128)  # fmt: skip
+        types = dict(x="*bf16", w="*bf16", b="*bf16", cos="*bf16", sin="*bf16", q="*bf16", k="*bf16", v="*bf16")
         cases[f"skinny-qkv-rope-{'even' if even else 'tail'}"] = (
-            "skinny_qkv_rope", "_skinny_qkv_rope_kernel", const, types, ("M", "Hq", "Hkv"), 4, 4,
+            "skinny_qkv_rope", "_skinny_qkv_rope_kernel", const, types, ("M", "Hq", "Hkv", "s_b"), 4, 4,
         )  # fmt: skip
     for split_k, prefetch, l2, pipeline in ((1, True, 0, False), (4, True, 0, False), (4, False, 0, False),
                                             (1, True, 2, False), (1, False, 0, True), (4, False, 0, True)):

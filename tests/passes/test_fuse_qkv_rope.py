@@ -103,7 +103,7 @@ def test_rewrite_is_one_call_with_the_unfused_values(cpu_on, B, T):
     finally:
         monkeypatch_dtypes.undo()
     found = calls(gm)
-    assert len(found) == 1 and found[0].args[4:] == (HQ, HKV)
+    assert len(found) == 1 and found[0].args[5:] == (HQ, HKV) and found[0].args[2] is None
     names = [str(n.target) for n in gm.graph.nodes]
     assert not any("cat" in t or "neg" in t for t in names), names  # the rotation is gone
     got = gm(*graph_inputs)
@@ -158,6 +158,12 @@ def _hf_run(family, monkeypatch, on: bool):
 
     monkeypatch.setenv(rope_op.ROPE_ENV, "1" if on else "0")
     model = tiny_model(family, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # HF initialises Qwen2's q/k/v biases to zero: make them count (a dropped bias fails)
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if proj.bias is not None:
+                    proj.bias.copy_(torch.randn(proj.bias.shape, generator=gen, dtype=torch.float64))
     binding = TargetBinding(model, max_batch=2, max_seq_len=48, max_rows=12, page_size=8, fuse_projections=True)
     binding.skinny_linears = True
     runner = TargetRunner(model, binding, aux_layers=(1, 2), inductor=False)
@@ -172,11 +178,11 @@ def _hf_run(family, monkeypatch, on: bool):
     return logits, capture_pass.graphs[-1]
 
 
-@pytest.mark.parametrize("family,expected", [("llama", 3), ("mistral", 3), ("qwen2", 0), ("qwen3", 0)])
+@pytest.mark.parametrize("family,expected", [("llama", 3), ("mistral", 3), ("qwen2", 3), ("qwen3", 0)])
 def test_hf_attention_modules(monkeypatch, family, expected):
-    """On HF's own Llama and Mistral attention (float64, 24 rows) every layer's q/k/v + rotation becomes one call
-    with the same logits. Left alone: Qwen2 (its q/k/v projection has a bias) and Qwen3 (per-head q/k norms sit
-    between the view and the rotation)."""
+    """On HF's own Llama, Mistral and Qwen2 (q/k/v bias) attention (float64, 24 rows) every layer's q/k/v +
+    rotation becomes one call with the same logits; Qwen3's per-head q/k norms sit between the view and the
+    rotation: left alone."""
     monkeypatch.setattr(rope_module, "_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(rope_module, "_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
     want, plain = _hf_run(family, monkeypatch, on=False)
@@ -185,7 +191,7 @@ def test_hf_attention_modules(monkeypatch, family, expected):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_generate_with_the_verify_on_the_op_equals_hf_greedy(monkeypatch, family):
     """Lossless end to end with the target's q/k/v + rotary embedding rewritten by the pass (float64 on the CPU:
     the op's reference; the pass told CPU and float64 count): generate equals HF greedy token for token, and the
@@ -203,9 +209,9 @@ def test_generate_with_the_verify_on_the_op_equals_hf_greedy(monkeypatch, family
     rows_seen = []
     real = rope_op.skinny_qkv_rope_reference
 
-    def spy(x, weight, cos, sin, hq, hkv):  # the op's CPU path
+    def spy(x, weight, bias, cos, sin, hq, hkv):  # the op's CPU path
         rows_seen.append(x.shape[0])
-        return real(x, weight, cos, sin, hq, hkv)
+        return real(x, weight, bias, cos, sin, hq, hkv)
 
     monkeypatch.setattr(rope_op, "skinny_qkv_rope_reference", spy)
     spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=3, steps=3, num_nodes=12,
