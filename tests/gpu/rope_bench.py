@@ -2,7 +2,11 @@
 K 4096): cuBLAS q/k/v + a compiled rotary kernel, and the skinny MMA tiles + that kernel. Checks the op's values
 against the float64 unfused graph first. Weights rotate over copies (cold reads, as in a forward).
 
-    python3 tests/gpu/rope_bench.py [OUT.json]
+    python3 tests/gpu/rope_bench.py [OUT.json] [sweep]
+
+``sweep`` also times the op over its tile space (half width, K step, warps, stages; each config checked against
+the float64 reference first) and prints the best: the tiles ``rope_config`` derives from the q/k/v GEMM's entry
+were never swept for the fused op itself.
 """
 
 import json
@@ -12,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from treecompile.ops.skinny_qkv_rope import rope_config, skinny_qkv_rope_reference
+from treecompile.ops.skinny_qkv_rope import _launch_skinny_qkv_rope, rope_config, skinny_qkv_rope_reference
 
 M, K, HQ, HKV, D = 64, 4096, 32, 8, 128
 N = (HQ + 2 * HKV) * D
@@ -65,6 +69,33 @@ def main():
         us = triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
         out[name] = us
         print(f"{name:32s} {us:8.2f} us")
+    if "sweep" in sys.argv[2:]:
+        q, k, v = (t.clone() for t in got)
+        tried = []
+        for half in (16, 32, 64):
+            for block_k in (64, 128, 256):
+                for warps in (4, 8):
+                    for stages in (3, 4, 5, 6):
+                        cfg = (64, half, block_k, warps, stages)
+                        try:
+                            for t in (q, k, v):
+                                t.fill_(float("nan"))
+                            _launch_skinny_qkv_rope(x, ws[0], None, cos, sin, q, k, v, cfg)
+                            e = max((g.double() - w).abs().max().item() for g, w in zip((q, k, v), want))
+                            if not e < 0.05:  # NaN (unwritten) fails too
+                                print(f"{cfg} wrong: max err {e}")
+                                continue
+                            us = triton.testing.do_bench_cudagraph(
+                                lambda c=cfg: _launch_skinny_qkv_rope(x, nxt(), None, cos, sin, q, k, v, c), rep=100
+                            ) * 1e3
+                        except Exception as exc:  # out of shared memory, say: not a candidate
+                            print(f"{cfg} failed: {type(exc).__name__}: {str(exc)[:100]}")
+                            continue
+                        tried.append((us, cfg))
+        tried.sort()
+        out["sweep"] = [dict(us=us, block_n=c[1], block_k=c[2], warps=c[3], stages=c[4]) for us, c in tried]
+        for us, cfg in tried[:8]:
+            print(f"  {us:8.2f} us  {cfg}")
     if len(sys.argv) > 1:
         json.dump(out, open(sys.argv[1], "w"), indent=1)
 

@@ -12,15 +12,21 @@
 #   m4_gemv   H200 only: every 8B 4-row GEMM (the draft lanes) forced onto the pipelined gemv, cuBLAS counted as
 #             never faster (tests/gpu/h200_m4_gemv.json): the draft round is 1.36x its floor there (target 1.3x),
 #             cuBLAS keeps those shapes by 1-8% in isolation, and in the verify a cuBLAS o lost to Triton in the
-#             round though it tied alone (dependent launches).
+#             round though it tied alone (dependent launches);
+#   fmlp      H200 only: TREECOMPILE_FUSED_MLP=1 (the <= 16-row MLP as one weight stream: the draft lanes' MLPs;
+#             it lost on the H100 in the thirty-ninth session, never timed in an H200 round).
+# BENCH=1 first runs tests/gpu/rope_bench.py with its tile sweep (~2 min): the fused op's own tiles.
 # PROFILE=1 adds a PDL-off kernel-time profile of the default (glu) rounds (where the verify's time goes with it).
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
-case $gpu in *H200*) all="default rope noglu old o_cublas m4_gemv";; *) all="default rope noglu";; esac
+case $gpu in *H200*) all="default rope noglu old o_cublas m4_gemv fmlp";; *) all="default rope noglu";; esac
 [ -n "${PROFILE:-}" ] && all="$all glu_prof"
+if [ -n "${BENCH:-}" ]; then
+  timeout 200 python3 tests/gpu/rope_bench.py "$OUT/rope_bench.json" sweep 2>&1 | grep -v "^INFO" | tail -14
+fi
 case " ${VARIANTS:-$all} " in *" rope "*)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_skinny_qkv_rope.py tests/passes/test_fuse_qkv_rope.py \
     > "$OUT/rope_tests.log" 2>&1; echo "rope GPU tests rc=$?"; tail -3 "$OUT/rope_tests.log";;
@@ -35,6 +41,7 @@ for v in ${VARIANTS:-$all}; do
     glu_prof) env+=(TREECOMPILE_SKINNY_GLU=1 TREECOMPILE_PDL=0); extra=(--profile "$OUT/prof");;
     old) cmd=(python3 tests/gpu/variant.py --table tests/gpu/h200_s41_rows.json treecompile.bench);;
     o_cublas) cmd=(python3 tests/gpu/variant.py --table tests/gpu/h200_s41_o64.json treecompile.bench);;
+    fmlp) env+=(TREECOMPILE_FUSED_MLP=1);;
     m4_gemv) cmd=(python3 tests/gpu/variant.py --table tests/gpu/h200_m4_gemv.json treecompile.bench);;
     *) echo "unknown variant $v"; continue;;
   esac
