@@ -138,6 +138,38 @@ def _launch_skinny_glu(x, weight, out, config=None) -> None:
 if HAS_TRITON:
 
     @triton.jit
+    def paired_rows_dot(
+        x, w, x_rows, a_rows, b_rows, K, s_xm, s_wn,
+        EVEN_K: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """``(x[x_rows] @ w[a_rows].T, x[x_rows] @ w[b_rows].T)`` as float32 [BLOCK_M, BLOCK_N] tiles over all of K:
+        one x tile a K step feeds both weight row ranges (int64 row indices, all in bounds; the K tail masked
+        unless EVEN_K). Shared by the kernels that pair two slices of one weight: gate / up here, the two halves
+        of a head in ``skinny_qkv_rope``."""
+        rk = tl.arange(0, BLOCK_K)
+        x_ptrs = x + x_rows[:, None] * s_xm + rk[None, :]
+        a_ptrs = w + a_rows[:, None] * s_wn + rk[None, :]
+        b_ptrs = w + b_rows[:, None] * s_wn + rk[None, :]
+        acc_a = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_b = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                xt = tl.load(x_ptrs)
+                at = tl.load(a_ptrs)
+                bt = tl.load(b_ptrs)
+            else:
+                k_ok = ((k0 + rk) < K)[None, :]
+                xt = tl.load(x_ptrs, mask=k_ok, other=0.0)
+                at = tl.load(a_ptrs, mask=k_ok, other=0.0)
+                bt = tl.load(b_ptrs, mask=k_ok, other=0.0)
+            acc_a = tl.dot(xt, tl.trans(at), acc_a, input_precision=PREC)
+            acc_b = tl.dot(xt, tl.trans(bt), acc_b, input_precision=PREC)
+            x_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        return acc_a, acc_b
+
+    @triton.jit
     def _skinny_glu_kernel(
         x, w, out, M, I, K, s_xm, s_wn, s_om,
         EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
@@ -149,33 +181,16 @@ if HAS_TRITON:
         dropped at the store."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < I
         if USE_PDL:  # wait for the previous kernel (x is its output), then let the next one launch
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        x_ptrs = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm + rk[None, :]
         g_rows = tl.where(n_ok, rn, 0).to(tl.int64)
-        g_ptrs = w + g_rows[:, None] * s_wn + rk[None, :]
-        u_ptrs = w + (g_rows + I)[:, None] * s_wn + rk[None, :]
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                xt = tl.load(x_ptrs)
-                gt = tl.load(g_ptrs)
-                ut = tl.load(u_ptrs)
-            else:
-                k_ok = ((k0 + rk) < K)[None, :]
-                xt = tl.load(x_ptrs, mask=k_ok, other=0.0)
-                gt = tl.load(g_ptrs, mask=k_ok, other=0.0)
-                ut = tl.load(u_ptrs, mask=k_ok, other=0.0)
-            acc_g = tl.dot(xt, tl.trans(gt), acc_g, input_precision=PREC)
-            acc_u = tl.dot(xt, tl.trans(ut), acc_u, input_precision=PREC)
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+        acc_g, acc_u = paired_rows_dot(
+            x, w, tl.where(m_ok, rm, 0).to(tl.int64), g_rows, g_rows + I, K, s_xm, s_wn,
+            EVEN_K, PREC, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         g = acc_g.to(out.dtype.element_ty).to(tl.float32)  # the unfused GEMM's rounding
         u = acc_u.to(out.dtype.element_ty).to(tl.float32)
         y = g * tl.sigmoid(g) * u

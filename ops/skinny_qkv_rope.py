@@ -48,6 +48,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .skinny_glu import paired_rows_dot
+
 __all__ = [
     "skinny_qkv_rope", "skinny_qkv_rope_reference", "rope_wanted", "rope_config", "MAX_ROWS", "ROPE_ENV",
     "MIN_HALF",
@@ -204,33 +206,15 @@ if HAS_TRITON:
         HALF: tl.constexpr = D // 2
         rn = tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         rows = tl.where(m_ok, rm, 0).to(tl.int64)
         if USE_PDL:  # wait for the previous kernel (x is its output), then let the next one launch
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         lo_rows = (h * D + c + rn).to(tl.int64)
-        x_ptrs = x + rows[:, None] * s_xm + rk[None, :]
-        lo_ptrs = w + lo_rows[:, None] * s_wn + rk[None, :]
-        hi_ptrs = w + (lo_rows + HALF)[:, None] * s_wn + rk[None, :]
-        acc_lo = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_hi = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                xt = tl.load(x_ptrs)
-                lt = tl.load(lo_ptrs)
-                ht = tl.load(hi_ptrs)
-            else:
-                k_ok = ((k0 + rk) < K)[None, :]
-                xt = tl.load(x_ptrs, mask=k_ok, other=0.0)
-                lt = tl.load(lo_ptrs, mask=k_ok, other=0.0)
-                ht = tl.load(hi_ptrs, mask=k_ok, other=0.0)
-            acc_lo = tl.dot(xt, tl.trans(lt), acc_lo, input_precision=PREC)
-            acc_hi = tl.dot(xt, tl.trans(ht), acc_hi, input_precision=PREC)
-            x_ptrs += BLOCK_K
-            lo_ptrs += BLOCK_K
-            hi_ptrs += BLOCK_K
+        acc_lo, acc_hi = paired_rows_dot(
+            x, w, rows, lo_rows, lo_rows + HALF, K, s_xm, s_wn, EVEN_K, PREC, BLOCK_M, BLOCK_N, BLOCK_K
+        )  # fmt: skip
         if HAS_BIAS:
             acc_lo += tl.load(b + lo_rows * s_b).to(tl.float32)[None, :]
             acc_hi += tl.load(b + (lo_rows + HALF) * s_b).to(tl.float32)[None, :]
