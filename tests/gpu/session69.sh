@@ -11,7 +11,7 @@
 #   o_cublas  H200 only: the new table but the 64-row o back on cuBLAS (tests/gpu/h200_s41_o64.json);
 #   m4_gemv   every 8B 4-row GEMM (the draft lanes) forced onto the pipelined gemv, cuBLAS counted as never faster
 #             (tests/gpu/h200_m4_gemv.json / h100_m4_gemv.json): the H200's draft round is 1.36x its floor (1.3x),
-#             the H100's draft round runs cuBLAS for its 4-row gate/up and down (84.2 and 38.3 us a call, PDL off),
+#             the H100's draft round spends 25% + 12% of its kernel time in two cuBLAS GEMMs (84.2, 38.3 us a call),
 #             cuBLAS keeps those shapes by 1-8% in isolation, and in the verify a cuBLAS o lost to Triton in the
 #             round though it tied alone (dependent launches);
 #   fmlp      H200 only: TREECOMPILE_FUSED_MLP=1 (the <= 16-row MLP as one weight stream: the draft lanes' MLPs;
