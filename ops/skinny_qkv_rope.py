@@ -6,9 +6,10 @@ attention wants: 3.7 us a layer on an H100 with PDL off, 117 us a verify, agains
 decode's one row (notes/gpu-2026-12-05-s42.md). Here each program holds the same BLOCK_N features of both halves
 of one head (rows ``h D + c`` and ``h D + D/2 + c`` of the fused weight, two accumulators over one stream of
 x's K steps), which is exactly what the rotate-half rotary embedding pairs, so the rotation is an epilogue on
-registers and q, k, v are stored once, each contiguous. (Fusing the rotary embedding into the projection's
-epilogue is what TensorRT-LLM's and vLLM's fused qkv + rope paths do for decode; read there, written here for
-Triton, with the head-halves pairing of ``skinny_glu``'s gate/up programs.)
+registers and q, k, v are stored once, each contiguous. (Serving engines do not run the rotation alone either:
+TensorRT-LLM's ``applyBiasRopeUpdateKVCache`` adds the q/k/v bias, rotates and writes the KV cache in one kernel
+after the GEMM. Here the GEMM's epilogue takes bias and rotation, with the head-halves pairing of ``skinny_glu``'s
+gate/up programs.)
 
 Numerics follow the unfused graph: the GEMM's outputs are rounded to x's dtype (the fused linear's output), the
 rotation ``a * cos + rotate_half(a) * sin`` runs in float32 from x-dtype cos / sin (HF casts them to q's dtype)
