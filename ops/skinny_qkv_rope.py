@@ -53,12 +53,13 @@ if HAS_TRITON:
 
 __all__ = [
     "skinny_qkv_rope", "skinny_qkv_rope_reference", "rope_wanted", "rope_config", "MAX_ROWS", "ROPE_ENV",
-    "MIN_HALF",
+    "MIN_HALF", "TILES_ENV",
 ]  # fmt: skip
 
 MAX_ROWS = 64  # one MMA row block
 MIN_HALF = 16  # a program's features per head half: tl.dot's least N
 ROPE_ENV = "TREECOMPILE_SKINNY_ROPE"
+TILES_ENV = "TREECOMPILE_SKINNY_ROPE_TILES"  # "half,block_k,warps,stages" for every launch (A/B runs, sweeps)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: the CPU reference only
 
 
@@ -152,9 +153,13 @@ def rope_config(M: int, N: int, K: int, D: int):
     """(block_m, block_n, block_k, num_warps, num_stages) for the [M, N, K] q/k/v GEMM of head dim D: the
     nearest swept M's MMA tiles of that shape in ``skinny_linear``'s tables (won against cuBLAS or not), else
     its default tiles; block_n halved (a program streams block_n rows of each head half: one slice's bytes),
-    the largest power of two <= that dividing D/2, at least ``MIN_HALF``."""
+    the largest power of two <= that dividing D/2, at least ``MIN_HALF``. ``TREECOMPILE_SKINNY_ROPE_TILES`` (A/B
+    runs: ``rope_bench.py``'s sweep winner in a round) replaces the choice for every launch."""
     from .skinny_linear import choose_skinny_config, swept_mma_tiles
 
+    forced = _env_tiles(D)
+    if forced is not None:
+        return (max(16, triton.next_power_of_2(M)), *forced)
     tiles = swept_mma_tiles(M, N, K)
     if tiles is None:
         cfg = choose_skinny_config(M, N, K)
@@ -164,6 +169,23 @@ def rope_config(M: int, N: int, K: int, D: int):
     while half > MIN_HALF and (D // 2) % half:
         half //= 2
     return max(16, triton.next_power_of_2(M)), half, block_k, warps, stages
+
+
+def _env_tiles(D: int):
+    """``TREECOMPILE_SKINNY_ROPE_TILES="half,block_k,warps,stages"`` checked (powers of two, half dividing D/2,
+    half >= 16, block_k >= 16, warps in 1..16, stages in 1..8), or None when unset."""
+    value = os.environ.get(TILES_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        half, block_k, warps, stages = (int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"{TILES_ENV}: expected four integers 'half,block_k,warps,stages', got {value!r}") from None
+    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (half, block_k, warps))
+    if not pow2 or half < MIN_HALF or (D // 2) % half or block_k < 16 or warps > 16 or not 1 <= stages <= 8:
+        raise ValueError(f"{TILES_ENV}: half (>= {MIN_HALF}, dividing D/2 = {D // 2}), block_k (>= 16) and warps "
+                         f"(<= 16) powers of two, stages 1..8; got {value!r}")  # fmt: skip
+    return half, block_k, warps, stages
 
 
 def _launch_skinny_qkv_rope(x, weight, bias, cos, sin, q, k, v, config=None) -> None:

@@ -16,7 +16,8 @@
 #             round though it tied alone (dependent launches);
 #   fmlp      H200 only: TREECOMPILE_FUSED_MLP=1 (the <= 16-row MLP as one weight stream: the draft lanes' MLPs;
 #             it lost on the H100 in the thirty-ninth session, never timed in an H200 round).
-# BENCH=1 first runs tests/gpu/rope_bench.py with its tile sweep (~2 min): the fused op's own tiles.
+# BENCH=1 first runs tests/gpu/rope_bench.py with its tile sweep (~2 min): the fused op's own tiles; its winner
+#   then runs as the variant rope_swept (TREECOMPILE_SKINNY_ROPE_TILES) after rope.
 # PROFILE=1 adds a PDL-off kernel-time profile of the default (glu) rounds (where the verify's time goes with it).
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
@@ -25,8 +26,12 @@ bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
 case $gpu in *H200*) all="default rope noglu old o_cublas m4_gemv fmlp";; *) all="default rope noglu m4_gemv";; esac
 [ -n "${PROFILE:-}" ] && all="$all glu_prof"
+rope_tiles=""
 if [ -n "${BENCH:-}" ]; then
   timeout 200 python3 tests/gpu/rope_bench.py "$OUT/rope_bench.json" sweep 2>&1 | grep -v "^INFO" | tail -14
+  rope_tiles=$(python3 -c "import json; b = json.load(open('$OUT/rope_bench.json'))['sweep'][0]; \
+print(','.join(str(b[k]) for k in ('block_n', 'block_k', 'warps', 'stages')))" 2>/dev/null)
+  [ -n "$rope_tiles" ] && { echo "rope sweep winner: $rope_tiles"; all="${all/rope /rope rope_swept }"; }
 fi
 case " ${VARIANTS:-$all} " in *" rope "*)
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_skinny_qkv_rope.py tests/passes/test_fuse_qkv_rope.py \
@@ -38,6 +43,7 @@ for v in ${VARIANTS:-$all}; do
     default) ;;
     noglu) env+=(TREECOMPILE_SKINNY_GLU=0);;
     rope) env+=(TREECOMPILE_SKINNY_ROPE=1);;
+    rope_swept) env+=(TREECOMPILE_SKINNY_ROPE=1 "TREECOMPILE_SKINNY_ROPE_TILES=$rope_tiles");;
     glu) env+=(TREECOMPILE_SKINNY_GLU=1);;
     glu_prof) env+=(TREECOMPILE_SKINNY_GLU=1 TREECOMPILE_PDL=0); extra=(--profile "$OUT/prof");;
     old) cmd=(python3 tests/gpu/variant.py --table tests/gpu/h200_s41_rows.json treecompile.bench);;

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import poisoned
 from treecompile.ops.skinny_qkv_rope import (
-    MAX_ROWS, ROPE_ENV, _launch_skinny_qkv_rope, rope_config, rope_wanted, skinny_qkv_rope_reference,
+    MAX_ROWS, ROPE_ENV, TILES_ENV, _launch_skinny_qkv_rope, rope_config, rope_wanted, skinny_qkv_rope_reference,
 )  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,3 +189,22 @@ def test_switch_and_tiles(monkeypatch):
         assert rope_config(32, 192, 64, 64) == (32, 32, 32, 4, 2)
     finally:
         skinny_linear._REGISTERED.pop((32, 192, 64))
+
+
+def test_tiles_env_replaces_the_choice_and_is_checked(monkeypatch, kernel_device):
+    """``TREECOMPILE_SKINNY_ROPE_TILES`` (a sweep's winner in a round A/B) replaces the tiles of every launch;
+    a malformed or out-of-range value is refused by name."""
+    monkeypatch.setenv(TILES_ENV, "32, 64, 8, 3")
+    assert rope_config(40, 6144, 4096, 128) == (64, 32, 64, 8, 3)
+    d = kernel_device
+    M, K, Hq, Hkv, D = 20, 96, 2, 1, 64
+    x, w, cos, sin = (t.to(d) for t in _inputs(M, K, Hq, Hkv, D, torch.float32, seed=9))
+    q, k, v = poisoned((M, Hq * D), torch.float32, d), poisoned((M, Hkv * D), torch.float32, d), poisoned(
+        (M, Hkv * D), torch.float32, d)  # fmt: skip
+    _launch_skinny_qkv_rope(x, w, None, cos, sin, q, k, v)  # the env's tiles: 32 of each 32-wide half, K step 64
+    for got, want in zip((q, k, v), _hf_float64(x, w, cos, sin, Hq, Hkv)):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    for bad in ("32,64,8", "a,b,c,d", "24,64,4,3", "8,64,4,3", "128,64,4,3", "32,64,32,3", "32,64,4,9", "32,8,4,3"):
+        monkeypatch.setenv(TILES_ENV, bad)
+        with pytest.raises(ValueError, match=TILES_ENV):
+            rope_config(40, 6144, 4096, 128)
