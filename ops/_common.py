@@ -108,6 +108,14 @@ def tma_weights_ok(*weights: torch.Tensor) -> bool:
                and w.data_ptr() % 16 == 0 for w in weights)  # fmt: skip
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """A 0 / 1 environment switch, ``default`` when unset; anything else is refused by name."""
+    value = os.environ.get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
+    return default if value == "" else value == "1"
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether treecompile's Triton kernels launch as programmatic dependent launches on ``device``.
 

@@ -58,14 +58,13 @@ Only metadata is checked at the boundary: no host sync, safe under CUDA-graph ca
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ._common import (
-    HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, tma_weights_ok, use_triton,
+    HAS_TRITON, check_dim, check_dtype, check_same_device, env_switch, pdl_enabled, tma_weights_ok, use_triton,
 )
 
 if HAS_TRITON:
@@ -157,23 +156,15 @@ def _check_inputs(
 FUSED_MLP_NORM_ENV = "TREECOMPILE_FUSED_MLP_NORM"
 
 
-def _switch(name: str, default: bool) -> bool:
-    """A 0 / 1 environment switch, ``default`` when unset; anything else is refused by name."""
-    value = os.environ.get(name, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{name}: expected 0 or 1, got {value!r}")
-    return default if value == "" else value == "1"
-
-
 def fused_mlp_wanted() -> bool:
     """``TREECOMPILE_FUSED_MLP=1``: run the fused MLP for every qualifying shape, measured or not (A/B runs)."""
-    return _switch(FUSED_MLP_ENV, False)
+    return env_switch(FUSED_MLP_ENV, False)
 
 
 def fold_norm_wanted() -> bool:
     """Whether callers of the fused MLP fold the RMSNorm (and residual add) before it into the op: yes unless
     ``TREECOMPILE_FUSED_MLP_NORM=0`` (A/B runs)."""
-    return _switch(FUSED_MLP_NORM_ENV, True)
+    return env_switch(FUSED_MLP_NORM_ENV, True)
 
 
 def mlp_applies(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:

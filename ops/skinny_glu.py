@@ -32,12 +32,10 @@ Only metadata is checked at the boundary: no host sync, safe under CUDA-graph ca
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, use_triton
+from ._common import HAS_TRITON, check_dim, check_dtype, check_same_device, env_switch, pdl_enabled, use_triton
 
 if HAS_TRITON:
     import triton
@@ -94,10 +92,7 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
 def glu_wanted() -> bool:
     """Whether ``passes/fuse_glu.py`` fuses every qualifying gate/up + silu-mul: yes unless
     ``TREECOMPILE_SKINNY_GLU=0`` (the unfused chain, for A/B runs). Anything but 0 / 1 is refused by name."""
-    value = os.environ.get(GLU_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{GLU_ENV}: expected 0 or 1, got {value!r}")
-    return value != "0"
+    return env_switch(GLU_ENV, True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,10 +28,6 @@ split order, so the result does not depend on arrival order (deterministic), add
 semaphore-ordered reduction of split-K / stream-K GEMMs: CUTLASS's ``Semaphore`` and the stream-K paper,
 Osama et al. 2023; written here for Triton.)
 
-``stream_k`` (MMA tiles, one row block; reached only through a table entry until a sweep times it): that many
-persistent programs share the (slice, K step) iterations in equal runs, so no wave ends partly empty; slices a
-run boundary cuts are summed by the last run to arrive, as split-K's are (``_launch_stream_k``).
-
 ``l2_prefetch`` (a measured-table entry, or ``TREECOMPILE_SKINNY_L2_PREFETCH`` for a whole run): each program
 first hints the 128-byte lines of its first weight tiles into L2 (``_common.prefetch_l2``), before its dependency
 wait, so under dependent launches the weight streams in while the previous kernel ends. Off by default (no
@@ -181,7 +177,6 @@ class SkinnyConfig:
     l2_prefetch: int = 0  # BLOCK_K tiles of a program's weight slice hinted into L2 before anything waits
     pipeline: bool = False  # gemv only: the K loop software-pipelined by the compiler (see _skinny_gemv_kernel)
     tma: bool = False  # MMA tiles only: weight tiles as TMA boxes where the device and layout allow (else pointers)
-    stream_k: int = 0  # MMA tiles only: this many persistent programs share the (slice, K step) work evenly (0: off)
 
 
 # Measured on the H200 by tests/gpu/skinny_sweep.py (bf16, cold weights: each call reads another copy, as a
@@ -194,8 +189,7 @@ class SkinnyConfig:
 # and the 64-row GEMMs over big weights (8B gate/up, down, LM head) by 5-7%. cuBLAS keeps the 8B qkv,
 # gate/up and down at 1-4 rows (the gemv kernel streams them at 3.1-3.7 TB/s against cuBLAS's 3.2-4.1),
 # the heads' vocabulary projections, and the 4-row GEMMs. Past index 6 (the kind), an entry may carry: 7 split_k,
-# 8 l2_prefetch, 9 the row block, 10 the gemv's compiler-pipelined loop, 11 the MMA tiles' TMA weight boxes,
-# 12 the MMA tiles' stream-K programs (0: off).
+# 8 l2_prefetch, 9 the row block, 10 the gemv's compiler-pipelined loop, 11 the MMA tiles' TMA weight boxes.
 # Forty-second session, same H200 class (copy 4.27 TB/s): the 8B's 1-row entries, target and head, are the
 # pipelined gemv (index 10) of ``skinny_sweep.py pipe 1,4 8b`` (notes/gpu-2026-12-05-s42/pipe_sweep.json), 5-23%
 # under cuBLAS; 8B rounds on that machine: decode 4.575 -> 4.271 ms. The 8B o at 64 rows moved to Triton from a
@@ -298,7 +292,6 @@ _MEASURED_BY_GPU: dict[str, dict[tuple[int, int, int], tuple]] = {
 # Rows added at run time by ``register_tiles``: over both tables above, whatever the GPU.
 _REGISTERED: dict[tuple[int, int, int], tuple] = {}
 MAX_SPLIT_K = 16
-MAX_STREAM_K = 4096  # persistent programs of a stream-K launch
 MAX_SLICES = 1 << 16  # output slices x row blocks one split-K launch may count in the counter table
 WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise of the sweep is ~1%)
 KINDS = ("dot", "gemv", "gemv_pdl")
@@ -342,14 +335,9 @@ def register_tiles(rows) -> int:
         if tma and max(int(best["block_n"]), int(best["block_k"])) > 256:
             raise ValueError(f"rows: a best.tma tile spans at most 256 elements a dim, got block_n={best['block_n']}, "
                              f"block_k={best['block_k']} for {r['M'], r['N'], r['K']}")  # fmt: skip
-        stream_k = int(best.get("stream_k", 0))
-        if stream_k and (kind != "dot" or int(r["M"]) > 64 or tma or split_k != 1 or not 1 <= stream_k <= MAX_STREAM_K):
-            raise ValueError(f"rows: best.stream_k ({stream_k}) needs kind 'dot', M <= 64, no tma, split_k 1 and "
-                             f"1..{MAX_STREAM_K} programs, got {kind!r}, M={r['M']}, tma={tma}, "
-                             f"split_k={split_k}")  # fmt: skip
         _REGISTERED[(int(r["M"]), int(r["N"]), int(r["K"]))] = (
             int(best["block_n"]), int(best["block_k"]), int(best["warps"]), int(best["stages"]),
-            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m, pipeline, tma, stream_k,
+            float(best["us"]), float(r["cublas_us"]), kind, split_k, l2_prefetch, block_m, pipeline, tma,
         )  # fmt: skip
         added += 1
     return added
@@ -405,28 +393,28 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
              and (_kind(v) == "dot" or M <= 8 or (m > 8 and M <= GEMV_MAX_ROWS))]  # fmt: skip
     if not swept:
         return None
-    # The nearest swept M (the smaller on a tie), as a loop: Dynamo traces this from the drafter's compiled
-    # round (``linear_rows``), and ``min(..., key=...)`` is a graph break there.
+    # Traced, the cache wrapper is skipped anyway (Dynamo warns of it): the plain function, then.
+    config = _entry_config.__wrapped__ if torch.compiler.is_compiling() else _entry_config
+    return config(M, N, K, _nearest(M, swept))
+
+
+def _nearest(M: int, swept) -> tuple:
+    """The entry of the swept M nearest ``M`` (the smaller on a tie) among ``(m, entry)`` pairs. A loop:
+    Dynamo traces this from the drafter's compiled round (``linear_rows``), and ``min(..., key=...)`` breaks
+    its graph for a symbolic row count."""
     best = None
     for m, entry in swept:
         if best is None or (abs(m - M), m) < (abs(best[0] - M), best[0]):
             best = (m, entry)
-    # Traced, the cache wrapper is skipped anyway (Dynamo warns of it): the plain function, then.
-    config = _entry_config.__wrapped__ if torch.compiler.is_compiling() else _entry_config
-    return config(M, N, K, best[1])
+    return best[1]
 
 
 def swept_mma_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int] | None:
     """(block_n, block_k, num_warps, num_stages) of the nearest swept M's MMA entry for (N, K) in M's band, won
     against cuBLAS or not, else None: the best Triton tiles a sweep found for that GEMM, for ops that fuse more
     than it (``skinny_qkv_rope``) and so run on Triton where the plain GEMM stays on cuBLAS."""
-    best = None
-    for m, entry in _swept_rows(N, K).items():
-        if _band(m) == _band(M) and _kind(entry) == "dot" and (
-            best is None or (abs(m - M), m) < (abs(best[0] - M), best[0])
-        ):
-            best = (m, entry)
-    return None if best is None else tuple(best[1][:4])
+    swept = [(m, v) for m, v in _swept_rows(N, K).items() if _band(m) == _band(M) and _kind(v) == "dot"]
+    return tuple(_nearest(M, swept)[:4]) if swept else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -441,7 +429,6 @@ def _entry_config(M: int, N: int, K: int, entry: tuple) -> SkinnyConfig | None:
     block_m = entry[9] if len(entry) > 9 else 0
     pipeline = bool(entry[10]) if len(entry) > 10 else False
     tma = bool(entry[11]) if len(entry) > 11 else False
-    stream_k = entry[12] if len(entry) > 12 else 0
     if us > WIN_MARGIN * cublas_us:
         return None
     tiles = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, split_k=split_k,
@@ -450,7 +437,7 @@ def _entry_config(M: int, N: int, K: int, entry: tuple) -> SkinnyConfig | None:
         tiles["block_m"] = block_m
     if kind != "dot":
         return gemv_config(M, N, K, pdl=kind == "gemv_pdl", pipeline=pipeline, **tiles)
-    return choose_skinny_config(M, N, K, tma=tma, stream_k=stream_k, **tiles)
+    return choose_skinny_config(M, N, K, tma=tma, **tiles)
 
 
 def choose_skinny_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
@@ -493,9 +480,6 @@ def _launch_skinny_linear(
     cfg = config or measured_tiles(M, N, K) or choose_skinny_config(M, N, K)
     if cfg.gemv:
         _launch_gemv(x, weight, bias, out, cfg, constant_weight)
-        return
-    if cfg.stream_k:
-        _launch_stream_k(x, weight, bias, out, cfg)
         return
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
     ws, counters, k_per_split = _split_k_buffers(x, M, N, K, cfg, grid[0] * grid[1])
@@ -653,126 +637,6 @@ if HAS_TRITON:
                     y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(counters + slice_id, 0, sem="relaxed", scope="gpu")
-
-
-def _launch_stream_k(x, weight, bias, out, cfg: SkinnyConfig) -> None:
-    """The MMA tiles as ``cfg.stream_k`` persistent programs (stream-K): the ``cdiv(N, block_n) * cdiv(K, block_k)``
-    (slice, K step) iterations are cut into that many equal runs, one a program, a run crossing slice borders
-    where it falls. A slice covered by one run is stored directly; a slice shared by several runs is summed by
-    the run that arrives last, in run order (deterministic), from float32 partials.
-
-    Why: a verify's 64-row GEMMs take 5-7 us more than their weight-read floor each, where the decode's gemv
-    kernels take ~1.4 (H100, notes/gpu-2026-12-05-s41): whole slices a program leave the last wave partly
-    empty (the 8B gate/up: 224 slices of 128 for 132 SMs) or SMs idle (qkv: 96 slices of 64). Even runs keep
-    every SM streaming to the end. (Osama et al. 2023, "Stream-K: work-centric parallel decomposition for dense
-    matrix multiplication"; the fix-up here is the split-K counter of ``_split_k_store``.)"""
-    M, K = x.shape
-    N = weight.shape[0]
-    if M > cfg.block_m:
-        raise ValueError(f"config: stream_k runs one row block: block_m={cfg.block_m} must cover x's M={M}")
-    if cfg.split_k != 1 or cfg.tma:
-        raise ValueError(f"config: stream_k excludes split_k > 1 and tma, got split_k={cfg.split_k}, tma={cfg.tma}")
-    n_tiles, k_tiles = triton.cdiv(N, cfg.block_n), triton.cdiv(K, cfg.block_k)
-    if n_tiles > MAX_SLICES:
-        raise ValueError(f"config: a stream-K launch counts at most {MAX_SLICES} slices, got {n_tiles} "
-                         "(block_n too small)")
-    if not 1 <= cfg.stream_k <= MAX_STREAM_K:
-        raise ValueError(f"config: stream_k must be in 1..{MAX_STREAM_K} programs, got {cfg.stream_k}")
-    total = n_tiles * k_tiles
-    workers = min(cfg.stream_k, total)
-    counters = counter_table("skinny_linear split-K", x.device, MAX_SLICES)
-    ws = torch.empty((workers, 2, M, cfg.block_n), dtype=torch.float32, device=x.device)  # <= 2 shared slices a run
-    if x.device.type == "cpu":  # interpreter: partials no run wrote must never be read
-        ws.fill_(float("nan"))
-    pdl = pdl_enabled(x.device)
-    _skinny_stream_k_kernel[(workers,)](
-        x, weight, bias if bias is not None else weight, out, ws, counters,
-        M, N, K, total, k_tiles, workers, x.stride(0), weight.stride(0), out.stride(0),
-        bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}),
-    )  # fmt: skip
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _stream_start(p, total, workers):
-        """First iteration of run ``p`` (run ``workers`` is the end): ``floor(p * total / workers)``."""
-        return (tl.cast(p, tl.int64) * total // workers).to(tl.int32)
-
-    @triton.jit
-    def _stream_owner(i, total, workers):
-        """The run holding iteration ``i``: the largest p with ``_stream_start(p) <= i``."""
-        return ((tl.cast(i + 1, tl.int64) * workers + total - 1) // total - 1).to(tl.int32)
-
-    @triton.jit
-    def _skinny_stream_k_kernel(
-        x, w, b, out, ws, counters, M, N, K, total, k_tiles, workers, s_xm, s_wn, s_om, s_b,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """Run ``pid``: iterations ``[start(pid), start(pid + 1))`` of slice-major (slice, K step) order. For each
-        slice it touches, the K steps it holds accumulate into ``acc [BLOCK_M, BLOCK_N]``; then a slice owned
-        by this run alone is stored, and a shared one goes to ``ws[pid, slot]`` (slot 0: the run started inside
-        this slice, 1: before it, so it is the run's last slice) and the slice's counter. The run arriving last
-        sums the slice's runs owner_lo..owner_hi in that order, adds the bias, stores and zeroes the counter."""
-        pid = tl.program_id(0)
-        start = _stream_start(pid, total, workers)
-        end = _stream_start(pid + 1, total, workers)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        rm = tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        x_rows = x + tl.where(m_ok, rm, 0).to(tl.int64)[:, None] * s_xm
-        it = start
-        while it < end:
-            tile = it // k_tiles
-            k_begin = it - tile * k_tiles
-            k_stop = tl.minimum(end - tile * k_tiles, k_tiles)
-            rn = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = rn < N
-            w_rows = w + tl.where(n_ok, rn, 0).to(tl.int64)[:, None] * s_wn
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for kt in range(k_begin, k_stop):
-                cols = kt * BLOCK_K + rk
-                if EVEN_K:
-                    xt = tl.load(x_rows + cols[None, :])
-                    wt = tl.load(w_rows + cols[None, :])
-                else:
-                    k_ok = (cols < K)[None, :]
-                    xt = tl.load(x_rows + cols[None, :], mask=k_ok, other=0.0)
-                    wt = tl.load(w_rows + cols[None, :], mask=k_ok, other=0.0)
-                acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
-            ok = m_ok[:, None] & n_ok[None, :]
-            o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
-            owner_lo = _stream_owner(tile * k_tiles, total, workers)
-            owner_hi = _stream_owner(tile * k_tiles + k_tiles - 1, total, workers)
-            if owner_lo == owner_hi:  # the whole slice is this run's
-                y = acc
-                if HAS_BIAS:
-                    y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
-            else:
-                part = rm.to(tl.int64)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                slot = tl.where(start >= tile * k_tiles, 0, 1)
-                tl.store(ws + (pid.to(tl.int64) * 2 + slot) * M * BLOCK_N + part, acc, mask=ok)
-                tl.debug_barrier()
-                arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu")
-                if arrived == owner_hi - owner_lo:
-                    y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                    for p in range(owner_lo, owner_hi + 1):
-                        p_slot = tl.where(_stream_start(p, total, workers) >= tile * k_tiles, 0, 1)
-                        base = (tl.cast(p, tl.int64) * 2 + p_slot) * M * BLOCK_N
-                        y += tl.load(ws + base + part, mask=ok, other=0.0, cache_modifier=".cg")
-                    if HAS_BIAS:
-                        y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                    tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
-                    tl.atomic_xchg(counters + tile, 0, sem="relaxed", scope="gpu")
-            it = tile * k_tiles + k_stop
 
 
 def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool) -> None:

@@ -43,7 +43,9 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, check_dim, check_dtype, check_same_device, pdl_enabled, use_triton
+from ._common import (
+    HAS_TRITON, check_dim, check_dtype, check_same_device, env_switch, pdl_enabled, use_triton,
+)
 
 if HAS_TRITON:
     import triton
@@ -138,10 +140,7 @@ def _check_inputs(x, weight, bias, cos, sin, num_q_heads: int, num_kv_heads: int
 def rope_wanted() -> bool:
     """``TREECOMPILE_SKINNY_ROPE=1``: ``passes/fuse_qkv_rope.py`` fuses every qualifying q/k/v projection and
     rotary embedding (A/B runs; off until timed in a round). Anything but 0 / 1 is refused by name."""
-    value = os.environ.get(ROPE_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ROPE_ENV}: expected 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(ROPE_ENV, False)
 
 
 # --------------------------------------------------------------------------------------------------

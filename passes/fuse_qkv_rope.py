@@ -1,7 +1,7 @@
 """Run a verify tree's fused q/k/v projection and the rotary embedding of q and k as one treespec::skinny_qkv_rope.
 
 Runs only when the binding asks for few-row Triton kernels (``TargetBinding(skinny_linears=True)``) and
-``TREECOMPILE_SKINNY_ROPE=1`` (A/B runs: not yet timed in a round), after ``fuse_glu`` and before
+``TREECOMPILE_SKINNY_ROPE=1`` (A/B runs: one round run so far, no same-machine A/B), after ``fuse_glu`` and before
 ``skinny_linears`` (which would take the projection alone). It matches ``fuse_projections``' layout and HF's
 ``apply_rotary_pos_emb`` as Dynamo records them in Llama, Qwen2 and Mistral attention::
 
@@ -10,18 +10,16 @@ Runs only when the binding asks for few-row Triton kernels (``TargetBinding(skin
     q_embed = q * cos.unsqueeze(1) + cat((-q[..., D/2:], q[..., :D/2]), dim=-1) * sin.unsqueeze(1)
 
 and rewrites it to ``q, k, v = skinny_qkv_rope(x.reshape(M, H), qkv_w, qkv_b, cos.reshape(M, D),
-sin.reshape(M, D), Hq, Hkv)``, each reshaped to the split's ``[B, T, *]``: the views and transposes after the split then read
-rotated q and k, and ``q_embed`` / ``k_embed`` are those views. It applies where x is a 16-bit CUDA tensor of
+sin.reshape(M, D), Hq, Hkv)``, each reshaped to the split's ``[B, T, *]``: the views and transposes after the
+split then read rotated q and k, and ``q_embed`` / ``k_embed`` are those views. It applies where x is a 16-bit CUDA tensor of
 17..64 rows (static dims: a tree's verify), D / 2 is a multiple of 16, q and k are rotated by the same tables
 and every replaced value has no other user; anything else (Qwen3's per-head q/k norms between the view and the
-rotation, say) is left exactly as it was. Why one call:
-:mod:`treecompile.ops.skinny_qkv_rope`.
+rotation, say) is left exactly as it was. Why one call: :mod:`treecompile.ops.skinny_qkv_rope`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import operator
 
 import torch
@@ -30,7 +28,7 @@ import torch.fx
 from treecompile.ops import skinny_qkv_rope as rope_op
 
 from ._graph import node_value
-from .fuse_mlp import _split_half
+from .fuse_mlp import _ADD, _MUL, _call, _method, _sole_user, _split_half
 from .fuse_projections import _linear_args
 
 logger = logging.getLogger(__name__)
@@ -40,22 +38,9 @@ _DEVICE_TYPES = ("cuda",)  # the op's Triton path (tests on a CPU-only machine a
 MIN_ROWS = 17  # up to 16 rows: the gemv kernels
 
 
-def _fn(node, target, nargs=None) -> bool:
-    ok = isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
-    return ok and (nargs is None or len(node.args) == nargs)
-
-
-def _method(node, name: str) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name
-
-
-def _sole_user(node, user) -> bool:
-    return list(node.users) == [user]
-
-
 def _mul_with(node, first_ok):
     """(a, b) of ``mul(a, b)`` or ``mul(b, a)`` where ``first_ok(a)``, else None."""
-    if not _fn(node, operator.mul, 2) or node.kwargs:
+    if not _call(node, _MUL, 2) or node.kwargs:
         return None
     a, b = node.args
     if first_ok(a):
@@ -67,7 +52,7 @@ def _mul_with(node, first_ok):
 
 def _half_slice(node, source, lower: bool, half: int) -> bool:
     """``source[..., :half]`` (lower) or ``source[..., half:]``."""
-    if not _fn(node, operator.getitem, 2) or node.args[0] is not source:
+    if not _call(node, {operator.getitem}, 2) or node.args[0] is not source:
         return False
     index = node.args[1]
     want = slice(None, half, None) if lower else slice(half, None, None)
@@ -77,11 +62,11 @@ def _half_slice(node, source, lower: bool, half: int) -> bool:
 def _rotation(embed):
     """(a, cos_u, sin_u, nodes the rewrite removes) when ``embed`` is HF's ``a * cos_u + rotate_half(a) * sin_u``
     with a 4-d ``a`` and no other user of any intermediate, else None."""
-    if not _fn(embed, operator.add, 2) or embed.kwargs:
+    if not _call(embed, _ADD, 2) or embed.kwargs:
         return None
     for first, second in (embed.args, embed.args[::-1]):
         straight = _mul_with(first, lambda n: _method(n, "transpose"))
-        rotated = _mul_with(second, lambda n: _fn(n, torch.cat))
+        rotated = _mul_with(second, lambda n: _call(n, {torch.cat}))
         if straight is None or rotated is None:
             continue
         (a, cos_u), (cat, sin_u) = straight, rotated
@@ -94,7 +79,7 @@ def _rotation(embed):
         if not isinstance(parts, (list, tuple)) or len(parts) != 2 or dim not in (-1, 3):
             return None
         neg, low = parts
-        if not _fn(neg, operator.neg, 1) or not _half_slice(neg.args[0], a, False, half):
+        if not _call(neg, {operator.neg, torch.neg}, 1) or not _half_slice(neg.args[0], a, False, half):
             return None
         if not _half_slice(low, a, True, half):
             return None
@@ -109,8 +94,8 @@ def _rotation(embed):
 
 
 def _head_view(a, D: int):
-    """(split getitem, view) when ``a`` is ``view(getitem(split, i), (B, T, -1 or H, D)).transpose(1, 2)`` with
-    single users along the way, else None."""
+    """The split getitem when ``a`` is ``view(getitem(split, i), (B, T, -1 or H, D)).transpose(1, 2)`` with single
+    users along the way, else None."""
     if not _method(a, "transpose") or tuple(a.args[1:]) not in ((1, 2), (2, 1)) or a.kwargs:
         return None
     view = a.args[0]
@@ -122,7 +107,7 @@ def _head_view(a, D: int):
     item = view.args[0]
     if _split_half(item) is None or not _sole_user(item, view):
         return None
-    return item, view
+    return item
 
 
 def _unsqueezed(node):
@@ -132,28 +117,13 @@ def _unsqueezed(node):
     return None
 
 
-def _match(gm, q_embed, rotations):
-    """The rewrite's pieces for the layer whose q rotation is ``q_embed`` (``rotations``: every rotation found,
-    by its ``a``'s split), else None."""
-    a, cos_u, sin_u, removed_q = rotations[q_embed]
-    shape = a.meta["example_value"].shape
-    B, _, T, D = (int(d) if isinstance(d, int) else None for d in shape)
-    if None in (B, T, D):
+def _match(gm, split, q_rot, k_rot):
+    """The rewrite's pieces for the split whose q and k parts the rotations ``q_rot`` / ``k_rot`` (embed, a, cos_u,
+    sin_u, removed nodes) rotate, else None."""
+    (q_embed, a, cos_u, sin_u, removed_q), (k_embed, ka, kc, ks, removed_k) = q_rot, k_rot
+    B, _, T, D = (int(d) if isinstance(d, int) else None for d in a.meta["example_value"].shape)
+    if None in (B, T, D) or (kc, ks) != (cos_u, sin_u) or ka.meta["example_value"].shape[-1] != D:
         return None
-    hq = _head_view(a, D)
-    if hq is None:
-        return None
-    split, index = _split_half(hq[0])
-    if index != 0:
-        return None
-    k_match = None
-    for other, (ka, kc, ks, removed_k) in rotations.items():
-        hk = _head_view(ka, D)
-        if hk is not None and _split_half(hk[0]) == (split, 1) and (kc, ks) == (cos_u, sin_u):
-            k_match = (other, ka, removed_k, hk)
-    if k_match is None:
-        return None
-    k_embed, ka, removed_k, hk = k_match
     sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size_or_sections")
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     if not isinstance(sizes, (list, tuple)) or len(sizes) != 3 or dim not in (-1, 2):
@@ -168,16 +138,8 @@ def _match(gm, q_embed, rotations):
     if proj is None or not _sole_user(split.args[0], split):
         return None
     x, weight, bias = proj
-    x_value, w_value = node_value(gm, x), node_value(gm, weight)
-    if w_value is None:
-        return None
-    if bias is not None:  # Qwen2: a [N] bias of the weight's dtype and device
-        b_value = node_value(gm, bias)
-        if b_value is None or tuple(b_value.shape) != (w_value.shape[0],):
-            return None
-        if b_value.dtype != w_value.dtype or b_value.device != w_value.device:
-            return None
     cos_b, sin_b = _unsqueezed(cos_u), _unsqueezed(sin_u)
+    x_value, w_value = node_value(gm, x), node_value(gm, weight)
     c_value, s_value = node_value(gm, cos_b), node_value(gm, sin_b)
     if x_value is None or w_value is None or c_value is None or s_value is None:
         return None
@@ -189,14 +151,20 @@ def _match(gm, q_embed, rotations):
         return None
     if tuple(w_value.shape) != ((Hq + 2 * Hkv) * D, x_value.shape[-1]):
         return None
+    if bias is not None:  # Qwen2: a [N] bias of the weight's dtype and device
+        b_value = node_value(gm, bias)
+        if b_value is None or tuple(b_value.shape) != (w_value.shape[0],) or b_value.dtype != w_value.dtype:
+            return None
+        if b_value.device != w_value.device:
+            return None
     for t in (c_value, s_value):
         if tuple(t.shape) != (B, T, D) or t.dtype != x_value.dtype or t.device != x_value.device:
             return None
     if tuple(x_value.shape[:-1]) != (B, T) or not MIN_ROWS <= B * T <= rope_op.MAX_ROWS:
         return None
-    return dict(x=x, weight=weight, bias=bias, cos=cos_b, sin=sin_b, B=B, T=T, D=D, H=x_value.shape[-1], Hq=Hq, Hkv=Hkv,
-                items=items, split=split, linear=split.args[0], q=(q_embed, a, removed_q),
-                k=(k_embed, ka, removed_k), cos_u=cos_u, sin_u=sin_u)  # fmt: skip
+    return dict(x=x, weight=weight, bias=bias, cos=cos_b, sin=sin_b, B=B, T=T, D=D, H=x_value.shape[-1], Hq=Hq,
+                Hkv=Hkv, items=items, linear=split.args[0], q=(q_embed, a, removed_q), k=(k_embed, ka, removed_k),
+                cos_u=cos_u, sin_u=sin_u)  # fmt: skip
 
 
 def fuse_qkv_rope(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
@@ -205,12 +173,16 @@ def fuse_qkv_rope(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
         return gm
     graph = gm.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
-    rotations = {n: found for n in graph.nodes if (found := _rotation(n)) is not None}
+    by_part = {}  # (split node, 0 for q / 1 for k) -> (embed, a, cos_u, sin_u, removed nodes)
+    for node in graph.nodes:
+        found = _rotation(node)
+        item = _head_view(found[0], found[0].meta["example_value"].shape[-1]) if found is not None else None
+        if item is not None:
+            by_part[_split_half(item)] = (node, *found)
     count = 0
-    for q_embed in list(rotations):
-        if q_embed not in rotations:
-            continue
-        m = _match(gm, q_embed, rotations)
+    for (split, index), q_rot in by_part.items():
+        k_rot = by_part.get((split, 1))
+        m = _match(gm, split, q_rot, k_rot) if index == 0 and k_rot is not None else None
         if m is None:
             continue
         lin = m["linear"]
@@ -237,8 +209,7 @@ def fuse_qkv_rope(gm: torch.fx.GraphModule, settings) -> torch.fx.GraphModule:
             embed.replace_all_uses_with(a)
             for dead in removed:
                 graph.erase_node(dead)
-            rotations.pop(embed, None)
-        for dead in (*m["items"].values(), m["split"], lin, m["cos_u"], m["sin_u"]):
+        for dead in (*m["items"].values(), split, lin, m["cos_u"], m["sin_u"]):
             if not dead.users:
                 graph.erase_node(dead)
         count += 1

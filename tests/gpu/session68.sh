@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran in the forty-second session (notes/gpu-2026-12-05-s42.md). Stream-K lost there and was removed after, with
+# skinny_sweep.py's streamk mode: step 1 no longer runs (T_SWEEP=0 skips it).
 # Issue 4, next device call (carry .whl; ~700 s on a cold machine: split it with VARIANTS / T_SWEEP=0, or let the
 # last step be cut: it is the least needed). The forty-first session's PDL-off profile of the H100 verify(64): its
 # 64-row GEMMs run 5-7 us above their weight-read floors each, where the decode's gemv kernels run ~1.4 us above (notes/gpu-2026-12-05-s41).

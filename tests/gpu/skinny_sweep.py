@@ -46,12 +46,6 @@ cuBLAS and the shipped choice: the 8B layer shapes, the 8B LM head and the head'
 a 64-node verify), biggest weights first, over slices of 32-256 features, 64-128-wide K steps, 3-4 stages. Rows
 carry ``best.tma``.
 
-    python3 tests/gpu/skinny_sweep.py out.json streamk|streamk-smoke [ROWS] [LABEL]   # ROWS: "64" (default)
-
-``streamk``: six MMA tiles each as whole slices a program and as stream-K runs over one and two programs an SM
-(``stream_k``), against cuBLAS and the shipped choice: the 8B layer shapes (LABEL: any of the ``tma`` shapes
-holding it instead). Rows carry ``best.stream_k``.
-
 ``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
 rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
 carry ``best.block_m``, which ``register_tiles`` keeps for that band.
@@ -130,14 +124,7 @@ def main() -> None:
     mid = mode in ("mid", "mid-smoke")
     pipe = mode in ("pipe", "pipe-smoke")
     tma = mode in ("tma", "tma-smoke")
-    streamk = mode in ("streamk", "streamk-smoke")
     cases = CASES
-    if streamk:  # argv[3]: the row counts (default 64); argv[4]: a label filter; the biggest weights first
-        rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "64").split(",")]
-        shapes = LLAMA8B  # the verify's layer GEMMs (the LM head already runs at 1.03x its floor)
-        if len(sys.argv) > 4:
-            shapes = [sh for sh in LLAMA8B + LLAMA8B_HEAD + [("8b lm_head", 128256, 4096)] if sys.argv[4] in sh[0]]
-        cases = [(m, *sh) for m in rows for sh in sorted(shapes, key=lambda sh: -sh[1] * sh[2])]
     if tma:  # argv[3]: the row counts (default 16,64); argv[4]: a label filter; the biggest weights first
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "16,64").split(",")]
         shapes = LLAMA8B + LLAMA8B_HEAD + [("8b lm_head", 128256, 4096)]
@@ -162,8 +149,7 @@ def main() -> None:
                        key=lambda c: -c[2] * c[3])  # fmt: skip
     if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
         cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
-    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke", "pipe-smoke", "tma-smoke",
-                "streamk-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke", "pipe-smoke", "tma-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
         global DEVICE, DTYPE, L2_BYTES
         # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
@@ -177,8 +163,6 @@ def main() -> None:
             cases = [(1, "smoke p", 40, 72), (3, "smoke q", 24, 64)]
         if tma:
             cases = [(16, "smoke t", 40, 72), (64, "smoke u", 24, 64)]
-        if streamk:
-            cases = [(16, "smoke s", 40, 72), (64, "smoke k", 24, 64)]
     torch.manual_seed(0)
     results = []
     t0 = time.time()
@@ -191,7 +175,7 @@ def main() -> None:
         want = F.linear(x.float(), ws[0].float())
         row = dict(M=M, label=label, N=N, K=K, copies=copies)
         row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
-        default = (measured_tiles(M, N, K) if gemv or splitk or mid or pipe or tma or streamk else None) or choose_skinny_config(M, N, K)
+        default = (measured_tiles(M, N, K) if gemv or splitk or mid or pipe or tma else None) or choose_skinny_config(M, N, K)
         sweep = [default]
         grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4))  # 24 configs
         if full:
@@ -260,16 +244,6 @@ def main() -> None:
                     sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
                                                       tma=boxes))  # fmt: skip
             grid = []
-        if streamk:  # each tile as whole slices a program and as stream-K runs (one and two programs an SM)
-            smoke_sk = mode == "streamk-smoke"
-            sms = 3 if smoke_sk else torch.cuda.get_device_properties(0).multi_processor_count
-            sk_grid = [(16, 32, 2), (32, 16, 2)] if smoke_sk else [
-                (32, 128, 4), (32, 256, 4), (64, 128, 3), (64, 128, 4), (128, 128, 3), (128, 64, 4)]  # fmt: skip
-            for (bn, bk, stages), workers in itertools.product(sk_grid, (0, sms) if smoke_sk else (0, sms, 2 * sms)):
-                if bk <= max(16, 1 << (K - 1).bit_length()):
-                    sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
-                                                      stream_k=workers))  # fmt: skip
-            grid = []
         if batch_rows:  # the row block too; the other loop below then adds nothing
             block_ms = (32, 64) if mode == "rows-smoke" else (32, 64, 128)
             block_ns = (16,) if mode == "rows-smoke" else (16, 32, 64)
@@ -291,7 +265,7 @@ def main() -> None:
         def run(cfg):
             entry = dict(block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, warps=cfg.num_warps,
                          stages=cfg.num_stages, kind=kind(cfg), split_k=cfg.split_k,
-                         l2_prefetch=cfg.l2_prefetch, pipeline=cfg.pipeline, tma=cfg.tma, stream_k=cfg.stream_k)  # fmt: skip
+                         l2_prefetch=cfg.l2_prefetch, pipeline=cfg.pipeline, tma=cfg.tma)  # fmt: skip
             try:
                 _launch_skinny_linear(x, ws[0], None, outs[0], config=cfg)
                 err = (outs[0].float() - want).abs().max().item()

@@ -257,60 +257,6 @@ def test_split_k_in_the_measured_table():
         _launch_skinny_linear(x, w, None, torch.empty(2, 16), config=gemv_config(2, 16, 16, split_k=0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize(
-    "M,N,K,bias,block_n,block_k,workers",
-    [(16, 40, 72, True, 16, 32, 3), (20, 33, 96, False, 32, 32, 5), (64, 48, 200, True, 16, 16, 7),
-     (8, 64, 64, True, 16, 16, 100), (3, 130, 64, False, 32, 16, 4), (16, 16, 16, True, 16, 16, 1),
-     (32, 96, 256, False, 32, 64, 6)],
-)  # fmt: skip
-def test_stream_k_matches_float64_linear(dtype, M, N, K, bias, block_n, block_k, workers, kernel_device):
-    """Stream-K: runs that cut slices anywhere (a slice shared by up to 3 runs, runs inside one slice, a run over
-    several), more programs than iterations (100 for 16), one program for everything, a masked K tail and N
-    not a multiple of the slice. The second call gives the same bits (shared slices are summed in run order)
-    and each call leaves the counter table zeroed; the interpreter poisons the partials no run wrote."""
-    from treecompile.ops._common import counter_table
-
-    d = kernel_device
-    x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, N, K, dtype, bias, seed=M * 10 + K))
-    cfg = choose_skinny_config(M, N, K, block_n=block_n, block_k=block_k, num_stages=2, stream_k=workers)
-    outs = []
-    for _ in range(2):
-        out = poisoned((M, N), dtype, d)
-        _launch_skinny_linear(x, w, b, out, config=cfg)
-        assert int(counter_table("skinny_linear split-K", x.device, 1).abs().sum()) == 0, "a counter left set"
-        outs.append(out)
-    _check(outs[0].cpu(), x.cpu(), w.cpu(), None if b is None else b.cpu())
-    assert torch.equal(outs[0], outs[1])
-
-
-def test_stream_k_in_the_measured_table_and_its_limits():
-    """A sweep row with ``stream_k`` reaches the launch config; what stream-K does not cover (the gemv kernel,
-    several row blocks, TMA boxes, split-K, a program count out of range) is refused by name, at registration
-    and at launch."""
-    from treecompile.ops import skinny_linear
-
-    row = dict(M=64, N=96, K=512, cublas_us=10.0, best=dict(block_n=32, block_k=64, warps=4, stages=3, us=8.0,
-                                                           stream_k=132))  # fmt: skip
-    assert skinny_linear.register_tiles([row]) == 1
-    cfg = skinny_linear.measured_tiles(64, 96, 512)
-    assert (cfg.stream_k, cfg.block_n, cfg.block_k, cfg.split_k, cfg.gemv) == (132, 32, 64, 1, False)
-    for bad in (dict(kind="gemv"), dict(tma=True), dict(split_k=2), dict(stream_k=skinny_linear.MAX_STREAM_K + 1)):
-        with pytest.raises(ValueError, match="best.stream_k"):
-            skinny_linear.register_tiles([dict(row, M=4 if "kind" in bad else 64, best=dict(row["best"], **bad))])
-    with pytest.raises(ValueError, match="best.stream_k"):
-        skinny_linear.register_tiles([dict(row, M=96)])
-    x, w, _ = _inputs(40, 16, 16, torch.float32, False)
-    with pytest.raises(ValueError, match="stream_k runs one row block: block_m=32 must cover x's M=40"):
-        _launch_skinny_linear(x, w, None, torch.empty(40, 16), config=choose_skinny_config(32, 16, 16, stream_k=4))
-    with pytest.raises(ValueError, match="stream_k excludes split_k > 1"):
-        _launch_skinny_linear(x[:16], w, None, torch.empty(16, 16),
-                              config=choose_skinny_config(16, 16, 16, stream_k=4, split_k=2))  # fmt: skip
-    with pytest.raises(ValueError, match="stream_k must be in 1"):
-        _launch_skinny_linear(x[:16], w, None, torch.empty(16, 16),
-                              config=choose_skinny_config(16, 16, 16, stream_k=-1))  # fmt: skip
-
-
 def test_l2_prefetch_env_is_checked_and_changes_no_result(monkeypatch, kernel_device):
     """TREECOMPILE_SKINNY_L2_PREFETCH (A/B runs: weight tiles hinted into L2 before the dependency wait) is 0 or
     a power of two <= 16, refused by name otherwise; the hints never change a result (GPU: the hints run; the
@@ -528,12 +474,10 @@ def test_counter_tables_are_one_per_owner_and_never_resized():
         ("pipe", [(1, 40, 72, 3), (3, 24, 64, 3)], "pipeline", "gemv_pdl"),
         # each MMA tile through TMA boxes and through pointers
         ("tma", [(16, 40, 72, 5), (64, 24, 64, 5)], "tma", "dot"),
-        # each MMA tile as whole slices a program and as stream-K runs
-        ("streamk", [(16, 40, 72, 5), (64, 24, 64, 5)], "stream_k", "dot"),
     ],
 )
 def test_sweep_mode_smoke(tmp_path, monkeypatch, mode, shapes, flag, kind):
-    """tests/gpu/skinny_sweep.py's ``pipe``, ``tma`` and ``streamk`` modes (interpreter, two tiny shapes each): the mode's
+    """tests/gpu/skinny_sweep.py's ``pipe`` and ``tma`` modes (interpreter, two tiny shapes each): the mode's
     configs run and are checked against F.linear; the rows (``best.<flag>`` where such a config won) load into
     the table."""
     import json

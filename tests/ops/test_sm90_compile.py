@@ -59,12 +59,6 @@ def _cases() -> dict:
         cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}{'-tma' if tma else ''}"] = (
             "skinny_linear", "_skinny_linear_kernel", const, types, ("M", "s_b"), 4, 4,
         )  # fmt: skip
-    for even in (True, False):  # stream-K: the 8B verify's gate/up tile, every K step whole or the tail masked
-        const = dict(HAS_BIAS=True, EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
-        cases[f"skinny-stream-k-{'even' if even else 'tail'}"] = (
-            "skinny_linear", "_skinny_stream_k_kernel", const, SKINNY_TYPES, ("M", "s_b", "total", "k_tiles", "workers"),
-            4, 3,
-        )  # fmt: skip
     for even in (True, False):  # the gated gate/up GEMM at the 8B verify's tiles (gate/up's 128-wide slice, halved)
         const = dict(EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
         cases[f"skinny-glu-{'even' if even else 'tail'}"] = (
@@ -226,15 +220,6 @@ def test_skinny_qkv_rope_kernel_compiles_pipelined(report, k_tail):
     """The q/k/v + rotary GEMM streams x and both head halves' weight rows through async copies."""
     entry = _entry(report, f"skinny-qkv-rope-{k_tail}")
     assert entry["async_copies"] >= 3 and entry["pdl_waits"] == 1, entry
-
-
-@pytest.mark.parametrize("k_tail", ["even", "tail"])
-def test_skinny_stream_k_kernel_compiles_pipelined(report, k_tail):
-    """Stream-K's K loop (inside the loop over a run's slices) still streams its tiles through async copies,
-    and the fix-up of shared slices has its counter (atomics) and L2 reads of the partials (.cg)."""
-    entry = _entry(report, f"skinny-stream-k-{k_tail}")
-    assert entry["async_copies"] >= 2 and entry["atomics"] >= 2 and entry["cg_loads"] >= 1, entry
-    assert entry["pdl_waits"] == 1
 
 
 @pytest.mark.parametrize("split_k", [1, 4])

@@ -142,10 +142,8 @@ def test_generate_with_the_verify_on_the_op_equals_hf_greedy(monkeypatch, family
     """Lossless end to end with the target's gate/up + silu-mul rewritten by the pass (float64 on the CPU: the
     op's reference; the pass told CPU and float64 count): generate equals HF greedy token for token, and the
     verify's 2 x 12 rows ran the op in every layer."""
+    from test_fuse_mlp import generate_equals_hf_greedy
     from test_rewrite_attention import tiny_model
-
-    from treecompile.drafter import EagleDrafter
-    from treecompile.speculator import TreeSpeculator
 
     monkeypatch.setattr(glu_module, "_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(glu_module, "_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
@@ -164,12 +162,5 @@ def test_generate_with_the_verify_on_the_op_equals_hf_greedy(monkeypatch, family
         return real(x, weight)
 
     monkeypatch.setattr(glu_op, "skinny_glu_reference", spy)
-    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=3, steps=3, num_nodes=12,
-                          max_batch_size=2, max_seq_len=64, page_size=8, fuse_projections=True)  # fmt: skip
-    spec.binding.skinny_linears = True  # the passes' few-row switch (the speculator refuses it on the CPU)
-    ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(4))
-    got = spec.generate(ids, max_new_tokens=12)
-    with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(got.sequences, want)
+    generate_equals_hf_greedy(model, topk=3, num_nodes=12, fuse_projections=True)
     assert 24 in rows_seen, rows_seen  # the verify's 2 x 12 rows

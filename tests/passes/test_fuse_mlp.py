@@ -380,15 +380,28 @@ def test_generate_with_the_head_on_the_fused_op_equals_hf_greedy(monkeypatch):
     assert 2 * 3 in rows_seen and len(set(rows_seen)) > 1, rows_seen  # the lanes' 2 x 3 rows, and chain steps
 
 
+def generate_equals_hf_greedy(model, topk: int, num_nodes: int, **speculator_kwargs) -> None:
+    """A random head's speculator (3 steps, CPU) with the passes' few-row switch on, so the target's rewritten
+    ops run their CPU path: 2 prompts of 6 tokens, 12 new tokens each, equal to HF greedy token for token."""
+    from treecompile.drafter import EagleDrafter
+    from treecompile.speculator import TreeSpeculator
+
+    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=topk, steps=3, num_nodes=num_nodes,
+                          max_batch_size=2, max_seq_len=64, page_size=8, **speculator_kwargs)  # fmt: skip
+    spec.binding.skinny_linears = True  # the passes' few-row switch (the speculator refuses it on the CPU)
+    ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(4))
+    got = spec.generate(ids, max_new_tokens=12)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(got.sequences, want)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_generate_with_the_target_on_the_fused_op_equals_hf_greedy(monkeypatch, family):
     """Lossless end to end with the target's MLPs rewritten by the pass (post-attention norm and residual add
     folded in), float64 on the CPU (the op's reference; the pass told CPU and float64 count): generate equals
     HF greedy token for token, and every layer's MLP ran as the op (verify rows B x N <= 16)."""
     from test_rewrite_attention import tiny_model
-
-    from treecompile.drafter import EagleDrafter
-    from treecompile.speculator import TreeSpeculator
 
     monkeypatch.setattr(fuse_module, "_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(fuse_module, "_DTYPES", (torch.float16, torch.bfloat16, torch.float64))
@@ -407,12 +420,5 @@ def test_generate_with_the_target_on_the_fused_op_equals_hf_greedy(monkeypatch, 
         return real(x, gate, up, down, norm_weight, residual, eps)
 
     monkeypatch.setattr(mlp_op, "fused_mlp_reference", spy)
-    spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=2, steps=3, num_nodes=6,
-                          max_batch_size=2, max_seq_len=64, page_size=8)  # fmt: skip
-    spec.binding.skinny_linears = True  # the passes' few-row switch (the speculator refuses it on the CPU)
-    ids = torch.randint(1, 24, (2, 6), generator=torch.Generator().manual_seed(4))
-    got = spec.generate(ids, max_new_tokens=12)
-    with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(got.sequences, want)
+    generate_equals_hf_greedy(model, topk=2, num_nodes=6)
     assert (12, True) in rows_seen, rows_seen  # the verify's 2 x 6 rows, norm folded in
