@@ -17,10 +17,11 @@ and is rounded once (Inductor's fused pointwise kernel). Only the GEMM's summati
 
 Tiles: the q/k/v shape's MMA entry in ``skinny_linear``'s measured table whether or not it beat cuBLAS (the op
 replaces two launches, not one GEMM), half as wide, capped at D/2; else that shape's default tiles.
-``passes/fuse_qkv_rope.py`` applies it where ``TREECOMPILE_SKINNY_ROPE=1`` asks, until a same-machine round A/B
-has timed it. Forty-second session, H100 SXM (``tests/gpu/rope_bench.py``, 8B shape, 64 rows): equal to the unfused
-bf16 graph bit for bit; 21.75 us against 25.83 for cuBLAS q/k/v + the compiled rotary kernel; one 8B round run
-with it: verify(64) 6.508 ms against 6.551-6.556 on other H100s.
+``passes/fuse_qkv_rope.py`` applies it to every qualifying verify (``TREECOMPILE_SKINNY_ROPE=0`` turns it off).
+Forty-second session, H100 SXM (``tests/gpu/rope_bench.py``, 8B shape, 64 rows): equal to the unfused bf16 graph
+bit for bit; 21.75 us against 25.83 for cuBLAS q/k/v + the compiled rotary kernel; one 8B round run with it:
+verify(64) 6.508 ms against 6.551-6.556 on other H100s. Forty-third session, one H200, two A/Bs in the same
+machine (``tests/gpu/session69.sh``): verify(64) 5.041 -> 5.010 and 5.026 -> 4.977 ms (notes/gpu-2026-12-05-s43.md).
 
 Shapes
 ------
@@ -138,9 +139,9 @@ def _check_inputs(x, weight, bias, cos, sin, num_q_heads: int, num_kv_heads: int
 
 
 def rope_wanted() -> bool:
-    """``TREECOMPILE_SKINNY_ROPE=1``: ``passes/fuse_qkv_rope.py`` fuses every qualifying q/k/v projection and
-    rotary embedding (A/B runs; off until timed in a round). Anything but 0 / 1 is refused by name."""
-    return env_switch(ROPE_ENV, False)
+    """Whether ``passes/fuse_qkv_rope.py`` fuses every qualifying q/k/v projection and rotary embedding: yes
+    unless ``TREECOMPILE_SKINNY_ROPE=0`` (the unfused chain, for A/B runs). Anything but 0 / 1 is refused by name."""
+    return env_switch(ROPE_ENV, True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,8 +9,7 @@ weights, q/k/v and gate/up become one linear each; with one that packs CPU linea
 oneDNN-packed weights; with one that asks for skinny linears, a gated MLP of <= 16 rows whose shape measured
 faster fused runs as one treespec::fused_mlp call, a verify tree's gate/up and silu-mul run as one
 treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), a verify tree's q/k/v projection and
-rotary embedding run as one treespec::skinny_qkv_rope call where ``TREECOMPILE_SKINNY_ROPE=1`` asks (no
-same-machine round A/B yet), and 16-bit CUDA linears of <= 256 rows run on Triton tiles. Last, an eager CPU graph
+rotary embedding run as one treespec::skinny_qkv_rope call (``TREECOMPILE_SKINNY_ROPE=0`` turns it off), and 16-bit CUDA linears of <= 256 rows run on Triton tiles. Last, an eager CPU graph
 calls the attention ops' CPU implementations directly (no dispatcher).
 """
 

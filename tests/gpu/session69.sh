@@ -4,7 +4,7 @@
 # measured treespec::skinny_glu once on an H200 (verify(64) 5.215-5.232 -> 5.147 ms).
 # 8B rounds, by variant:
 #   default   the shipped tables;
-#   rope      TREECOMPILE_SKINNY_ROPE=1 (the verify's q/k/v GEMM with the rotary embedding as its epilogue,
+#   rope      TREECOMPILE_SKINNY_ROPE=1 (on by default since the forty-third session; the verify's q/k/v GEMM with the rotary embedding as its epilogue,
 #             treespec::skinny_qkv_rope: its GPU tests run first; one H100 run so far, not a same-machine A/B);
 #   noglu     TREECOMPILE_SKINNY_GLU=0 (skinny_glu, on by default since, off: its A/B);
 #   old       H200 only: the forty-first session's rows (tests/gpu/h200_s41_rows.json), the A/B of the new table;

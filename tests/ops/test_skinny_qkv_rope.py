@@ -165,11 +165,13 @@ def test_bad_input_names_the_argument(over, match):
 
 
 def test_switch_and_tiles(monkeypatch):
-    """``TREECOMPILE_SKINNY_ROPE``: off unless 1, anything but 0 / 1 refused by name. The tiles are the q/k/v
+    """``TREECOMPILE_SKINNY_ROPE``: on unless 0, anything but 0 / 1 refused by name. The tiles are the q/k/v
     GEMM's swept MMA entry (even where cuBLAS won it) at half the slice width, dividing D/2."""
     from treecompile.ops import skinny_linear
 
     monkeypatch.delenv(ROPE_ENV, raising=False)
+    assert rope_wanted() is True
+    monkeypatch.setenv(ROPE_ENV, "0")
     assert rope_wanted() is False
     monkeypatch.setenv(ROPE_ENV, "1")
     assert rope_wanted() is True
