@@ -24,9 +24,9 @@ Either kernel can also split the reduction dim K over ``split_k`` programs a sli
 output slices (the 8B qkv at 64 rows: 192 slices for 132 SMs, 1.45 waves) then fills every SM with weight
 streams. Each split writes a float32 partial ``[M, BLOCK_N]`` to a workspace; the split that arrives last at its
 slice (an atomic counter a slice, in a per-device table that every launch leaves zeroed) sums the partials in
-split order, so the result does not depend on arrival order (deterministic), adds the bias and stores. (The
-semaphore-ordered reduction of split-K / stream-K GEMMs: CUTLASS's ``Semaphore`` and the stream-K paper,
-Osama et al. 2023; written here for Triton.)
+split order, so the result does not depend on arrival order (deterministic), adds the bias (and the residual) and
+stores. (The semaphore-ordered reduction of split-K / stream-K GEMMs: CUTLASS's ``Semaphore`` and the stream-K
+paper, Osama et al. 2023; written here for Triton.)
 
 ``l2_prefetch`` (a measured-table entry, or ``TREECOMPILE_SKINNY_L2_PREFETCH`` for a whole run): each program
 first hints the 128-byte lines of its first weight tiles into L2 (``_common.prefetch_l2``), before its dependency
@@ -38,6 +38,10 @@ Shapes
 x      [M, K]  float16 / bfloat16 / float32; 1 <= M <= MAX_ROWS (256); last dim contiguous, any row stride
 weight [N, K]  x's dtype, contiguous (an ``nn.Linear`` weight, or a view of rows of one)
 bias   [N] or None, any stride
+residual [M, N] or None  x's dtype, last dim contiguous, any row stride: added in the GEMM's epilogue (a decoder
+       layer's ``h = residual + o_proj(x)`` in one launch). Rounded as the unfused graph rounds: the GEMM (+ bias)
+       to x's dtype first (what ``F.linear`` returns), then that plus the residual in float32, rounded again
+       (PyTorch's 16-bit add), i.e. ``round(round(x @ weight.T + bias) + residual)``; for float32 one rounding.
 out    [M, N]  x's dtype; accumulated in float32 (float32 inputs: IEEE products, no TF32)
 constant_weight  bool: the weight is a parameter or constant, never written by the kernel just before
        this one. Only then may a programmatic dependent launch (a ``gemv_pdl`` tile entry) read its first
@@ -88,24 +92,29 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @torch.library.custom_op("treespec::skinny_linear", mutates_args=())
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, constant_weight: bool = False
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x [M <= 64, K]`` (see the module docstring)."""
-    _check_inputs(x, weight, bias)
-    if use_triton(x, weight, *([bias] if bias is not None else [])):
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, constant_weight: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``F.linear(x, weight, bias)`` for ``x [M <= 256, K]``, plus ``residual [M, N]`` when given: the sum of
+    ``F.linear``'s result (rounded to x's dtype) and the residual, rounded again, as ``F.linear(...) + residual``
+    in x's dtype rounds (see the module docstring)."""
+    _check_inputs(x, weight, bias, residual)
+    if use_triton(x, weight, *(t for t in (bias, residual) if t is not None)):
         out = x.new_empty((x.shape[0], weight.shape[0]))
-        _launch_skinny_linear(x, weight, bias, out, constant_weight=constant_weight)
+        _launch_skinny_linear(x, weight, bias, out, constant_weight=constant_weight, residual=residual)
         return out
-    return skinny_linear_reference(x, weight, bias)
+    return skinny_linear_reference(x, weight, bias, residual)
 
 
 @skinny_linear.register_fake
-def _(x, weight, bias=None, constant_weight=False):
-    _check_inputs(x, weight, bias)
+def _(x, weight, bias=None, constant_weight=False, residual=None):
+    _check_inputs(x, weight, bias, residual)
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_inputs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None = None
+) -> None:
     check_dim("x", x, 2, "[M, K]")
     check_dim("weight", weight, 2, "[N, K]")
     check_dtype("x", x, *_DTYPES)
@@ -128,6 +137,15 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias: expected [N={weight.shape[0]}], got {tuple(bias.shape)}")
         devices["bias"] = bias
+    if residual is not None:
+        N = weight.shape[0]
+        check_dim("residual", residual, 2, f"[M={M}, N={N}]")
+        check_dtype("residual", residual, x.dtype)
+        if tuple(residual.shape) != (M, N):
+            raise ValueError(f"residual: expected [M={M}, N={N}] (x's M, weight's N), got {tuple(residual.shape)}")
+        if N > 1 and residual.stride(1) != 1:
+            raise ValueError(f"residual: the last dim must have stride 1, got strides {tuple(residual.stride())}")
+        devices["residual"] = residual
     check_same_device(**devices)
 
 
@@ -472,14 +490,15 @@ def gemv_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
 
 
 def _launch_skinny_linear(
-    x, weight, bias, out, config: SkinnyConfig | None = None, constant_weight: bool = False
+    x, weight, bias, out, config: SkinnyConfig | None = None, constant_weight: bool = False, *, residual=None
 ) -> None:
-    """Fill preallocated ``out [M, N]`` (any row stride, last dim contiguous)."""
+    """Fill preallocated ``out [M, N]`` (any row stride, last dim contiguous); with ``residual [M, N]`` (any
+    row stride, last dim contiguous) out = round(round(x @ weight.T + bias) + residual)."""
     M, K = x.shape
     N = weight.shape[0]
     cfg = config or measured_tiles(M, N, K) or choose_skinny_config(M, N, K)
     if cfg.gemv:
-        _launch_gemv(x, weight, bias, out, cfg, constant_weight)
+        _launch_gemv(x, weight, bias, out, cfg, constant_weight, residual)
         return
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, cfg.block_m), cfg.split_k)
     ws, counters, k_per_split = _split_k_buffers(x, M, N, K, cfg, grid[0] * grid[1])
@@ -495,9 +514,10 @@ def _launch_skinny_linear(
     else:
         w_desc = weight  # unused (TMA=False)
     _skinny_linear_kernel[grid](
-        x, weight, w_desc, bias if bias is not None else weight, out, ws, counters,
-        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, EVEN_K=K % cfg.block_k == 0, TMA=tma,
+        x, weight, w_desc, bias if bias is not None else weight, residual if residual is not None else x, out, ws,
+        counters, M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        bias.stride(0) if bias is not None else 0, residual.stride(0) if residual is not None else 0,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, EVEN_K=K % cfg.block_k == 0, TMA=tma,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         L2_LINES=_l2_lines(cfg, weight.element_size()), LINE_ELEMS=128 // weight.element_size(),
@@ -545,13 +565,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_linear_kernel(
-        x, w, w_desc, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr,
+        x, w, w_desc, b, r, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b, s_rm,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr,
         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
     ):  # fmt: skip
-        """Program (n slice, m block, k split): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias),
-        over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then reduced by ``_split_k_store``).
+        """Program (n slice, m block, k split): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias)
+        (+ residual[m block, n slice]), over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then
+        reduced by ``_split_k_store``, which adds bias and residual).
 
         TMA: each weight tile is one box of ``w_desc`` (the copy engine fills shared memory, the pipeliner keeps
         num_stages - 1 boxes in flight, zeros past N and K); the rows of x stay pointer loads (a few KB a step).
@@ -590,7 +611,8 @@ if HAS_TRITON:
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         slice_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        _split_k_store(acc, b, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
+        _split_k_store(acc, b, r, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, s_rm, HAS_BIAS, HAS_RES,
+                       SPLIT_K)  # fmt: skip
 
     @triton.jit
     def _prefetch_weight(
@@ -605,12 +627,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_k_store(
-        acc, b, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr
+        acc, b, r, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, s_rm,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        """Store ``acc [BLOCK_M, BLOCK_N]`` (+ bias) at out[rm, rn]. With SPLIT_K > 1 ``acc`` is this split's
-        partial: it goes to ``ws [SPLIT_K, M, N]``; the split that then finds its slice's counter at
-        SPLIT_K - 1 (the last to arrive) sums all SPLIT_K partials in split order (the same sum whichever
-        split is last), stores, and zeroes the counter for the next launch. The barrier makes every thread's
+        """Store ``acc [BLOCK_M, BLOCK_N]`` (+ bias) (+ residual: ``_add_residual``) at out[rm, rn]. With
+        SPLIT_K > 1 ``acc`` is this split's partial: it goes to ``ws [SPLIT_K, M, N]``; the split that then
+        finds its slice's counter at SPLIT_K - 1 (the last to arrive) sums all SPLIT_K partials in split order
+        (the same sum whichever split is last), adds bias and residual, stores, and zeroes the counter for the
+        next launch. The barrier makes every thread's
         partial stores precede the counter's release (gpu scope); the partials are read through L2 (.cg),
         never a stale L1 line."""
         m_ok = rm < M
@@ -622,6 +646,8 @@ if HAS_TRITON:
             if HAS_BIAS:
                 # any stride: a bias may be a view (a column of a wider table)
                 y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if HAS_RES:
+                y = _add_residual(y.to(out.dtype.element_ty), r, rm, rn, s_rm, ok)
             tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
         else:
             part = rm.to(tl.int64)[:, None] * N + rn[None, :]
@@ -635,11 +661,21 @@ if HAS_TRITON:
                     y += tl.load(ws + split_base + part, mask=ok, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                if HAS_RES:
+                    y = _add_residual(y.to(out.dtype.element_ty), r, rm, rn, s_rm, ok)
                 tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(counters + slice_id, 0, sem="relaxed", scope="gpu")
 
+    @triton.jit
+    def _add_residual(y, r, rm, rn, s_rm, ok):
+        """``y`` (the GEMM + bias, already rounded to out's dtype: what ``F.linear`` returns) + residual[rm, rn],
+        in float32: the unfused graph's 16-bit add, whose sum the caller rounds once more at the store. The
+        residual is read under the store's mask (any row stride, last dim contiguous)."""
+        res = tl.load(r + rm.to(tl.int64)[:, None] * s_rm + rn[None, :], mask=ok, other=0.0)
+        return y.to(tl.float32) + res.to(tl.float32)
 
-def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool) -> None:
+
+def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool, residual=None) -> None:
     M, K = x.shape
     N = weight.shape[0]
     if M > cfg.block_m:
@@ -651,9 +687,10 @@ def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool)
     grid = (triton.cdiv(N, cfg.block_n), 1, cfg.split_k)
     ws, counters, k_per_split = _split_k_buffers(x, M, N, K, cfg, grid[0])
     _skinny_gemv_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, ws, counters,
+        x, weight, bias if bias is not None else weight, residual if residual is not None else x, out, ws, counters,
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, USE_PDL=pdl, PREFETCH=pdl and constant_weight and not cfg.pipeline,
+        residual.stride(0) if residual is not None else 0, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        USE_PDL=pdl, PREFETCH=pdl and constant_weight and not cfg.pipeline,
         PIPELINE=cfg.pipeline, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         L2_LINES=_l2_lines(cfg, weight.element_size()), LINE_ELEMS=128 // weight.element_size(),
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
@@ -664,13 +701,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_gemv_kernel(
-        x, w, b, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b,
-        HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, PIPELINE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, NUM_STAGES: tl.constexpr,
+        x, w, b, r, out, ws, counters, M, N, K, k_per_split, s_xm, s_wn, s_om, s_b, s_rm,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+        PIPELINE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr, NUM_STAGES: tl.constexpr,
     ):  # fmt: skip
-        """Program (n slice, -, k split): out[:, n slice] = x @ w[n slice].T (+ bias), by multiply-add on CUDA
-        cores; over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (reduced by ``_split_k_store``).
+        """Program (n slice, -, k split): out[:, n slice] = x @ w[n slice].T (+ bias) (+ residual[:, n slice]),
+        by multiply-add on CUDA cores; over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (reduced by
+        ``_split_k_store``).
 
         PIPELINE: the loop loads each tile where it is used, in a ``tl.range`` of NUM_STAGES stages, and the
         compiler pipelines the loads (async copies into shared memory, NUM_STAGES - 1 tiles in flight; an sm_90
@@ -728,7 +766,8 @@ if HAS_TRITON:
                 x_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
         y = tl.sum(acc, axis=2)
-        _split_k_store(y, b, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, HAS_BIAS, SPLIT_K)
+        _split_k_store(y, b, r, out, ws, counters, tl.program_id(0), rm, rn, M, N, s_om, s_b, s_rm, HAS_BIAS,
+                       HAS_RES, SPLIT_K)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -736,6 +775,10 @@ if HAS_TRITON:
 # --------------------------------------------------------------------------------------------------
 
 
-def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CPU path and the test oracle: ``F.linear``."""
-    return F.linear(x, weight, bias)
+def skinny_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The CPU path and the test oracle: ``F.linear``, plus ``residual`` in x's dtype (the unfused graph: the
+    linear's result rounded, then the add's)."""
+    out = F.linear(x, weight, bias)
+    return out if residual is None else out + residual

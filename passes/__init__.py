@@ -9,8 +9,10 @@ weights, q/k/v and gate/up become one linear each; with one that packs CPU linea
 oneDNN-packed weights; with one that asks for skinny linears, a gated MLP of <= 16 rows whose shape measured
 faster fused runs as one treespec::fused_mlp call, a verify tree's gate/up and silu-mul run as one
 treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), a verify tree's q/k/v projection and
-rotary embedding run as one treespec::skinny_qkv_rope call (``TREECOMPILE_SKINNY_ROPE=0`` turns it off), and 16-bit CUDA linears of <= 256 rows run on Triton tiles. Last, an eager CPU graph
-calls the attention ops' CPU implementations directly (no dispatcher).
+rotary embedding run as one treespec::skinny_qkv_rope call (``TREECOMPILE_SKINNY_ROPE=0`` turns it off), and 16-bit
+CUDA linears of <= 256 rows run on Triton tiles; then a verify's RMSNorms go into those two calls' prologues and the
+residual adds before them into the producing skinny_linear's epilogue (``TREECOMPILE_FUSE_NORM=0`` turns it off).
+Last, an eager CPU graph calls the attention ops' CPU implementations directly (no dispatcher).
 """
 
 from .check_attention_rewritten import check_attention_rewritten
@@ -20,6 +22,7 @@ from .fuse_cache_write import fuse_cache_write
 from .fuse_glu import fuse_glu
 from .fuse_mlp import fuse_mlp
 from .fuse_qkv_rope import fuse_qkv_rope
+from .fuse_residual_norm import fuse_residual_norm
 from .fuse_projections import fuse_projections
 from .outer_products import outer_products
 from .pack_cpu_linears import pack_cpu_linears
@@ -29,12 +32,12 @@ from .skinny_linears import skinny_linears
 
 PASSES: list = [
     rewrite_attention, rewrite_linear_attention, check_attention_rewritten, fuse_cache_write, outer_products,
-    fuse_projections, pack_cpu_linears, fuse_mlp, fuse_glu, fuse_qkv_rope, skinny_linears, clean_up_graph,
-    direct_cpu_ops,
+    fuse_projections, pack_cpu_linears, fuse_mlp, fuse_glu, fuse_qkv_rope, skinny_linears, fuse_residual_norm,
+    clean_up_graph, direct_cpu_ops,
 ]
 
 __all__ = [
     "PASSES", "rewrite_attention", "rewrite_linear_attention", "check_attention_rewritten", "fuse_cache_write",
     "outer_products", "fuse_projections", "pack_cpu_linears", "fuse_mlp", "fuse_glu", "fuse_qkv_rope",
-    "skinny_linears", "clean_up_graph", "direct_cpu_ops",
+    "skinny_linears", "fuse_residual_norm", "clean_up_graph", "direct_cpu_ops",
 ]

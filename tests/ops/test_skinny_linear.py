@@ -1,8 +1,9 @@
 """treespec::skinny_linear: the Triton kernel (interpreter on CPU, the device on GPU) against a float64
 F.linear, over row counts 1..256 (past 64: several row blocks), K not a multiple of the tile, N not a multiple of the slice, biases, strided
-rows, and the op's boundary checks. Outputs are poisoned with NaN so an unwritten element fails. bfloat16 runs
-on the GPU only: the Triton 3.x interpreter's tl.dot misreads bfloat16 operands (a 16 x 16 bf16 dot there is off
-by ~1e10; float16 and float32 are exact), the GPU is not affected."""
+rows, the residual-add epilogue, and the op's boundary checks. Outputs are poisoned with NaN so an unwritten element
+fails. bfloat16 runs on the GPU only: the Triton 3.x interpreter's tl.dot misreads bfloat16 operands (a 16 x 16
+bf16 dot there is off by ~1e10; float16 and float32 are exact), and its float32 -> bfloat16 cast truncates where
+the GPU rounds to nearest even; the GPU is not affected."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import poisoned
-from treecompile.ops.skinny_linear import MAX_ROWS, _launch_skinny_linear, choose_skinny_config, gemv_config
+from treecompile.ops.skinny_linear import (
+    MAX_ROWS, _launch_skinny_linear, choose_skinny_config, gemv_config, skinny_linear_reference,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -308,11 +311,131 @@ def test_op_on_cpu_is_the_reference_and_traces():
         (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(5)), r"bias: expected \[N=4\]"),
         (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(4, 1)), "bias: expected a 1-d"),
         (lambda: (torch.zeros(8), torch.zeros(4, 8), None), "x: expected a 2-d"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), None, False, torch.zeros(2, 5)),
+         r"residual: expected \[M=2, N=4\]"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), None, False, torch.zeros(4, 4)),
+         r"residual: expected \[M=2, N=4\]"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), None, False, torch.zeros(8)), "residual: expected a 2-d"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), None, False, torch.zeros(2, 4, dtype=torch.float16)),
+         "residual: expected dtype torch.float32"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), None, False, torch.zeros(4, 2).t()),
+         "residual: the last dim must have stride 1"),
+        (lambda: (torch.zeros(2, 8), torch.zeros(4, 8), None, False, torch.zeros(2, 4, device="meta")),
+         "residual on meta"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_names_the_argument(make, match):
     with pytest.raises(ValueError, match=match):
         torch.ops.treespec.skinny_linear(*make())
+
+
+def _exact_inputs(M, N, K, dtype, bias, seed=0):
+    """x integers |x| <= 127 and w multiples of 2**-10 under 1/8 (7-bit values, exact in every dtype), bias
+    integers |b| <= 500: products and partial sums are multiples of 2**-10 under 2**12 in magnitude (K <= 200),
+    so the GEMM's float32 sum is exact whatever the summation order or split, while nearly every result needs
+    more bits than a 16-bit mantissa holds. Each rounding the kernel applies is then known exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-127, 128, (M, K), generator=gen).to(dtype)
+    w = (torch.randint(-127, 128, (N, K), generator=gen) / 1024).to(dtype)
+    b = torch.randint(-500, 501, (N,), generator=gen).to(dtype) if bias else None
+    return x, w, b
+
+
+def _strided_residual(y, seed, device="cpu", pad=5):
+    """A residual [M, N] for the rounded linear ``y``, as a view of rows of a wider table (row stride N + pad,
+    NaN past N: a read past the row or with out's stride shows). On a checkerboard it is -y: there
+    round(round(y) + r) is 0, while one rounding of the exact sum keeps y's own rounding error, so the two
+    orders differ wherever y does not fit the dtype; elsewhere it is large and random."""
+    M, N = y.shape
+    gen = torch.Generator().manual_seed(seed)
+    checker = (torch.arange(M)[:, None] + torch.arange(N)[None, :]) % 2 == 0
+    r = torch.where(checker, -y.float(), torch.randn(M, N, generator=gen) * 100).to(y.dtype)
+    table = torch.full((M, N + pad), float("nan"), dtype=y.dtype)
+    table[:, :N] = r
+    view = table.to(device)[:, :N]  # sliced where it lives: ``.to`` of a strided view would make it contiguous
+    assert view.stride() == (N + pad, 1)
+    return view
+
+
+# (M, N, K, kernel, split_k): one MMA tile, row blocks (M > 64), split-K over MMA tiles, TMA weight boxes (plain
+# and split-K), the gemv kernel (plain, split-K with an empty split, and its compiler-pipelined loop, split-K).
+_RESIDUAL_CASES = [
+    (3, 20, 40, "dot", 1), (70, 24, 40, "dot", 1), (20, 33, 96, "dot", 3), (16, 40, 72, "tma", 1),
+    (5, 24, 200, "tma", 2), (3, 17, 50, "gemv", 1), (1, 40, 130, "gemv", 4), (2, 30, 130, "pipelined", 3),
+]  # fmt: skip
+
+
+def _residual_config(M, N, K, kernel, split_k):
+    if kernel in ("gemv", "pipelined"):
+        return gemv_config(M, N, K, block_n=8, block_k=32, split_k=split_k, pipeline=kernel == "pipelined")
+    return choose_skinny_config(M, N, K, block_n=16, block_k=32, split_k=split_k, tma=kernel == "tma")
+
+
+def _skip_bfloat16_in_the_interpreter(dtype, device):
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("bfloat16 runs on the GPU only (the interpreter's dot and casts: see the module docstring)")
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M,N,K,kernel,split_k", _RESIDUAL_CASES)
+def test_residual_is_added_to_the_rounded_linear(M, N, K, kernel, split_k, dtype, bias, kernel_device):
+    """The epilogue rounds as the unfused graph: ``round(round(x @ w.T + b) + residual)``, bit for bit (the GEMM is
+    exact here, see ``_exact_inputs``), and so equals the reference ``F.linear(x, w, b) + residual``; for
+    16-bit dtypes the data tells that from one rounding of the exact sum. The residual is a row-strided view."""
+    d = kernel_device
+    _skip_bfloat16_in_the_interpreter(dtype, d)
+    x, w, b = _exact_inputs(M, N, K, dtype, bias, seed=M * 100 + K)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    y = exact.to(dtype)  # what F.linear returns: the exact sum rounded once
+    r = _strided_residual(y, seed=N)
+    want = (y.float() + r.float()).to(dtype)
+    assert torch.equal(skinny_linear_reference(x, w, b, r), want)
+    if dtype != torch.float32:
+        assert not torch.equal((exact + r.double()).to(dtype), want), "the data must tell the roundings apart"
+    out = poisoned((M, N), dtype, d)
+    cfg = _residual_config(M, N, K, kernel, split_k)
+    _launch_skinny_linear(x.to(d), w.to(d), None if b is None else b.to(d), out, config=cfg,
+                          residual=_strided_residual(y, seed=N, device=d))  # fmt: skip
+    assert torch.equal(out.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M,N,K,kernel,split_k", _RESIDUAL_CASES)
+def test_residual_changes_the_output_by_exactly_the_residual(M, N, K, kernel, split_k, dtype, kernel_device):
+    """Random data, where the GEMM's summation order shows: the same launch with a large random residual gives
+    bit for bit the launch without it plus the residual in x's dtype (its rounded result, then the 16-bit add),
+    changes nearly every element, and agrees with the float64 reference."""
+    d = kernel_device
+    _skip_bfloat16_in_the_interpreter(dtype, d)
+    x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, N, K, dtype, M % 2 == 1, seed=M + N + K))
+    r = (torch.randn(M, N, generator=torch.Generator().manual_seed(K)) * 50).to(dtype).to(d)
+    cfg = _residual_config(M, N, K, kernel, split_k)
+    plain = poisoned((M, N), dtype, d)
+    _launch_skinny_linear(x, w, b, plain, config=cfg)
+    fused = poisoned((M, N), dtype, d)
+    _launch_skinny_linear(x, w, b, fused, config=cfg, residual=r)
+    assert torch.equal(fused, plain + r)
+    assert (fused != plain).double().mean() > 0.9, "the residual did not land"
+    want = skinny_linear_reference(*(t.cpu().double() if t is not None else None for t in (x, w, b, r)))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused.cpu().double(), want, rtol=tol, atol=tol)
+
+
+def test_op_with_residual_on_cpu_is_the_reference_and_traces():
+    """The op's last argument: on the CPU it is the reference (``F.linear(...) + residual`` in x's dtype, a
+    row-strided residual too), by position or keyword, and it traces (fake kernel) with it."""
+    x, w, b = _inputs(4, 12, 20, torch.float32, True)
+    r = torch.randn(4, 16)[:, :12]
+    assert torch.ops.treespec.skinny_linear.default._schema.arguments[-1].name == "residual"
+    assert torch.equal(torch.ops.treespec.skinny_linear(x, w, b, False, r), F.linear(x, w, b) + r)
+    xb, wb, bb, rb = (t.to(torch.bfloat16) for t in (x, w, b, r))
+    out = torch.ops.treespec.skinny_linear(xb, wb, bb, residual=rb)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, F.linear(xb, wb, bb) + rb)
+    assert not torch.equal(out, torch.ops.treespec.skinny_linear(xb, wb, bb))
+    compiled = torch.compile(lambda a, c, res: torch.ops.treespec.skinny_linear(a, c, residual=res) * 2,
+                             backend="aot_eager", fullgraph=True)  # fmt: skip
+    assert torch.equal(compiled(x, w, r), (F.linear(x, w) + r) * 2)
 
 
 @pytest.mark.gpu
@@ -360,6 +483,52 @@ def test_gpu_matches_float64_and_replays_in_a_graph(monkeypatch, dtype, M, N, K,
     graph.replay()
     torch.cuda.synchronize()
     _check(out, src * 2, w, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "M,N,K,kind",
+    [(M, N, K, kind) for M, N, K in [(1, 576, 576), (64, 576, 1536), (3, 100, 70)]
+     for kind in ("table", "gemv_pdl_prefetch", "gemv_pdl_pipelined", "dot_split4", "gemv_split4")
+     if not kind.startswith("gemv") or M <= 16],  # gemv: <= 16 rows
+)  # fmt: skip
+def test_gpu_residual_written_by_the_previous_kernel_replays_in_a_graph(dtype, M, N, K, kind):
+    """A decoder's residual stream is the previous kernel's output: in a CUDA graph a kernel writes the (row-
+    strided) residual just before the launch, so a dependent launch that read it before its wait would add stale
+    rows. After each replay the output is the launch without residual plus the new residual, bit for bit; the
+    op itself (the table's tiles) gives the same bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if kind == "table":
+        cfg = None
+    elif kind == "dot_split4":
+        cfg = choose_skinny_config(M, N, K, split_k=4)
+    else:
+        cfg = gemv_config(M, N, K, pdl=True, split_k=4 if kind == "gemv_split4" else 1,
+                          pipeline=kind.endswith("pipelined"))  # fmt: skip
+    constant = kind in ("gemv_pdl_prefetch", "gemv_pdl_pipelined")
+    x, w, b = (t.cuda() if t is not None else None for t in _inputs(M, N, K, dtype, bias=M % 2 == 1))
+    res = torch.full((M, N + 8), float("nan"), device="cuda", dtype=dtype)[:, :N]
+    src = torch.randn(M, N, device="cuda", dtype=dtype) * 20
+    res.copy_(src)
+    plain = torch.empty(M, N, device="cuda", dtype=dtype)
+    _launch_skinny_linear(x, w, b, plain, config=cfg, constant_weight=constant)
+    out = torch.empty(M, N, device="cuda", dtype=dtype)
+    _launch_skinny_linear(x, w, b, out, config=cfg, constant_weight=constant, residual=res)
+    assert torch.equal(out, plain + res)
+    if kind == "table":
+        assert torch.equal(torch.ops.treespec.skinny_linear(x, w, b, constant, res), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res.copy_(src * 2)  # the previous kernel writes the residual
+        _launch_skinny_linear(x, w, b, out, config=cfg, constant_weight=constant, residual=res)
+    for _ in range(2):
+        src.copy_(torch.randn_like(src) * 20)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain + src * 2)
 
 
 def test_dependent_launch_switch(monkeypatch):

@@ -31,7 +31,7 @@ CASCADE_TYPES = dict(
     new_slots="*i64", qk_scale="fp32",
 )  # fmt: skip
 CASCADE_SCALARS = ("R", "NS", "num_slots", "max_pages", "num_pages")  # any value: no divisibility
-SKINNY_TYPES = dict(x="*bf16", w="*bf16", b="*bf16", out="*bf16", ws="*fp32", counters="*i32")
+SKINNY_TYPES = dict(x="*bf16", w="*bf16", b="*bf16", r="*bf16", out="*bf16", ws="*fp32", counters="*i32")
 
 
 def _cases() -> dict:
@@ -52,32 +52,38 @@ def _cases() -> dict:
             "_tree_attention_kernels", "cascade_merge_kernel", dict(D=128, BLOCK_S=16, ROWS=rows, USE_PDL=pdl),
             dict(o_part="*fp32", lse_part="*fp32", out="*bf16"), ("num_rows", "NS"), 1 if rows == 1 else 4, 3,
         )  # fmt: skip
-    for split_k, l2, tma in ((1, 0, False), (4, 0, False), (1, 4, False), (1, 0, True), (4, 0, True)):
-        const = dict(HAS_BIAS=True, EVEN_K=True, TMA=tma, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=32,
-                     BLOCK_K=128, SPLIT_K=split_k, L2_LINES=l2 * 2, LINE_ELEMS=64)  # fmt: skip
+    for split_k, l2, tma, res in ((1, 0, False, False), (4, 0, False, False), (1, 4, False, False),
+                                  (1, 0, True, False), (4, 0, True, False), (1, 0, False, True), (4, 0, False, True)):
+        const = dict(HAS_BIAS=True, HAS_RES=res, EVEN_K=True, TMA=tma, PREC="tf32", USE_PDL=True, BLOCK_M=64,
+                     BLOCK_N=32, BLOCK_K=128, SPLIT_K=split_k, L2_LINES=l2 * 2, LINE_ELEMS=64)  # fmt: skip
         types = dict(SKINNY_TYPES, w_desc="tensordesc<bf16[32,128]>" if tma else "*bf16")
-        cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}{'-tma' if tma else ''}"] = (
-            "skinny_linear", "_skinny_linear_kernel", const, types, ("M", "s_b"), 4, 4,
+        cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}{'-tma' if tma else ''}{'-res' if res else ''}"] = (
+            "skinny_linear", "_skinny_linear_kernel", const, types, ("M", "s_b", "s_rm"), 4, 4,
         )  # fmt: skip
-    for even in (True, False):  # the gated gate/up GEMM at the 8B verify's tiles (gate/up's 128-wide slice, halved)
-        const = dict(EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
-        cases[f"skinny-glu-{'even' if even else 'tail'}"] = (
-            "skinny_glu", "_skinny_glu_kernel", const, dict(x="*bf16", w="*bf16", out="*bf16"), ("M",), 4, 3,
+    # the gated gate/up GEMM at the 8B verify's tiles (gate/up's 128-wide slice, halved); "norm": with the RMSNorm
+    # prologue (passes/fuse_residual_norm.py)
+    for even, norm in ((True, False), (False, False), (True, True)):
+        const = dict(EVEN_K=even, NORM=norm, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+        types = dict(x="*bf16", w="*bf16", out="*bf16", nw="*bf16", eps="fp32")
+        cases[f"skinny-glu-{'even' if even else 'tail'}{'-norm' if norm else ''}"] = (
+            "skinny_glu", "_skinny_glu_kernel", const, types, ("M", "s_nw"), 4, 3,
         )  # fmt: skip
-    for even in (True, False):  # q/k/v + rotary embedding at the 8B verify's tiles (qkv's 64-wide slice, halved)
-        const = dict(HAS_BIAS=not even, D=128, PER_HEAD=2, EVEN_K=even, PREC="tf32", USE_PDL=True, BLOCK_M=64,
-                     BLOCK_N=32, BLOCK_K=128)  # fmt: skip
-        types = dict(x="*bf16", w="*bf16", b="*bf16", cos="*bf16", sin="*bf16", q="*bf16", k="*bf16", v="*bf16")
-        cases[f"skinny-qkv-rope-{'even' if even else 'tail'}"] = (
-            "skinny_qkv_rope", "_skinny_qkv_rope_kernel", const, types, ("M", "Hq", "Hkv", "s_b"), 4, 4,
+    for even, norm in ((True, False), (False, False), (True, True)):  # q/k/v + rotary embedding, 8B verify tiles
+        const = dict(HAS_BIAS=not even, NORM=norm, D=128, PER_HEAD=2, EVEN_K=even, PREC="tf32", USE_PDL=True,
+                     BLOCK_M=64, BLOCK_N=32, BLOCK_K=128)  # fmt: skip
+        types = dict(x="*bf16", w="*bf16", b="*bf16", cos="*bf16", sin="*bf16", q="*bf16", k="*bf16", v="*bf16",
+                     nw="*bf16", eps="fp32")  # fmt: skip
+        cases[f"skinny-qkv-rope-{'even' if even else 'tail'}{'-norm' if norm else ''}"] = (
+            "skinny_qkv_rope", "_skinny_qkv_rope_kernel", const, types, ("M", "Hq", "Hkv", "s_b", "s_nw"), 4, 4,
         )  # fmt: skip
     for split_k, prefetch, l2, pipeline in ((1, True, 0, False), (4, True, 0, False), (4, False, 0, False),
                                             (1, True, 2, False), (1, False, 0, True), (4, False, 0, True)):
         const = dict(HAS_BIAS=False, USE_PDL=True, PREFETCH=prefetch, PIPELINE=pipeline, BLOCK_M=1, BLOCK_N=4,
                      BLOCK_K=512, SPLIT_K=split_k, L2_LINES=l2 * 8, LINE_ELEMS=64, NUM_STAGES=3)  # fmt: skip
         name = f"skinny-gemv-split{split_k}-{'pipelined' if pipeline else 'prefetch' if prefetch else 'wait'}"
+        const["HAS_RES"] = False
         cases[name + ("-l2" if l2 else "")] = (
-            "skinny_linear", "_skinny_gemv_kernel", const, SKINNY_TYPES, ("M", "s_b"), 4, 3,
+            "skinny_linear", "_skinny_gemv_kernel", const, SKINNY_TYPES, ("M", "s_b", "s_rm"), 4, 3,
         )  # fmt: skip
     mlp_types = dict(x="*bf16", wg="*bf16", wu="*bf16", wd="*bf16", ws="*fp32", nw="*bf16", res="*bf16", eps="fp32")
     # the 8B decode's MLP (H 4096, I 14336) at the default tiles: with the residual + RMSNorm prologue and
@@ -208,25 +214,26 @@ def test_cascade_merge_compiles(report, rows):
     _entry(report, f"merge-rows{rows}")
 
 
-@pytest.mark.parametrize("k_tail", ["even", "tail"])
+@pytest.mark.parametrize("k_tail", ["even", "tail", "even-norm"])
 def test_skinny_glu_kernel_compiles_pipelined(report, k_tail):
-    """The gated GEMM streams x and both weight row ranges through async copies (three loads a K step)."""
+    """The gated GEMM streams x and both weight row ranges through async copies (three loads a K step), with
+    the RMSNorm prologue too."""
     entry = _entry(report, f"skinny-glu-{k_tail}")
     assert entry["async_copies"] >= 3 and entry["pdl_waits"] == 1, entry
 
 
-@pytest.mark.parametrize("k_tail", ["even", "tail"])
+@pytest.mark.parametrize("k_tail", ["even", "tail", "even-norm"])
 def test_skinny_qkv_rope_kernel_compiles_pipelined(report, k_tail):
     """The q/k/v + rotary GEMM streams x and both head halves' weight rows through async copies."""
     entry = _entry(report, f"skinny-qkv-rope-{k_tail}")
     assert entry["async_copies"] >= 3 and entry["pdl_waits"] == 1, entry
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
-def test_skinny_mma_kernel_compiles_pipelined_with_split_k(report, split_k):
+@pytest.mark.parametrize("split_k,res", [(1, ""), (4, ""), (1, "-res"), (4, "-res")])
+def test_skinny_mma_kernel_compiles_pipelined_with_split_k(report, split_k, res):
     """The 64-row MMA tiles (8B verify shapes) stream the weight through an async-copy pipeline; with split-K
-    the counter's atomics (acq_rel, gpu scope) and the .cg reloads compile for sm_90."""
-    entry = _entry(report, f"skinny-mma-split{split_k}")
+    the counter's atomics (acq_rel, gpu scope) and the .cg reloads compile for sm_90; the residual epilogue too."""
+    entry = _entry(report, f"skinny-mma-split{split_k}{res}")
     assert entry["async_copies"] >= 2, "the K loop's tiles are not async copies"
     assert (entry["atomics"] > 0) == (split_k > 1)
 
