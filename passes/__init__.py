@@ -11,7 +11,8 @@ faster fused runs as one treespec::fused_mlp call, a verify tree's gate/up and s
 treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), a verify tree's q/k/v projection and
 rotary embedding run as one treespec::skinny_qkv_rope call (``TREECOMPILE_SKINNY_ROPE=0`` turns it off), and 16-bit
 CUDA linears of <= 256 rows run on Triton tiles; then a verify's RMSNorms go into those two calls' prologues and the
-residual adds before them into the producing skinny_linear's epilogue (``TREECOMPILE_FUSE_NORM=0`` turns it off).
+residual adds before them into the producing skinny_linear's epilogue where ``TREECOMPILE_FUSE_NORM=1`` asks (it lost
+on an H100: off by default).
 Last, an eager CPU graph calls the attention ops' CPU implementations directly (no dispatcher).
 """
 

@@ -84,7 +84,7 @@ def cpu_on(monkeypatch):
     """The pass runs on CPU graphs of 16-bit and float32 values, switched on."""
     monkeypatch.setattr(norm_module, "_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(norm_module, "_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
-    monkeypatch.delenv(norm_module.NORM_ENV, raising=False)
+    monkeypatch.setenv(norm_module.NORM_ENV, "1")
 
 
 def test_the_pass_runs_after_skinny_linears_and_before_clean_up():
@@ -127,7 +127,9 @@ def test_what_is_left_alone(cpu_on, monkeypatch):
     monkeypatch.setenv(norm_module.NORM_ENV, "yes")
     with pytest.raises(ValueError, match=norm_module.NORM_ENV):
         fuse_residual_norm(capture(layer, *args), ON)
-    monkeypatch.delenv(norm_module.NORM_ENV)
+    monkeypatch.delenv(norm_module.NORM_ENV)  # unset: off (it lost on an H100)
+    assert rsqrts(fuse_residual_norm(capture(layer, *args), ON))
+    monkeypatch.setenv(norm_module.NORM_ENV, "1")
     monkeypatch.setattr(norm_module, "_DEVICE_TYPES", ("cuda",))
     assert rsqrts(fuse_residual_norm(capture(layer, *args), ON))  # CPU tensors
     monkeypatch.setattr(norm_module, "_DEVICE_TYPES", ("cuda", "cpu"))
@@ -199,7 +201,7 @@ def test_generate_with_the_norms_in_the_gemms_equals_hf_greedy(monkeypatch, fami
     from treecompile.ops import skinny_glu as glu_op
 
     _all_passes_on_cpu(monkeypatch, torch.float64)
-    monkeypatch.delenv(norm_module.NORM_ENV, raising=False)
+    monkeypatch.setenv(norm_module.NORM_ENV, "1")
     model = tiny_model(family, seed=2, vocab_size=24)
     model.generation_config.eos_token_id = None
     normed_rows = []
@@ -220,9 +222,10 @@ def test_gpu_bf16_logits_follow_the_unfused_graph(monkeypatch):
     """On the GPU in bfloat16 (the kernels, not the references): every layer's norms and adds fold, and the
     logits stay within bfloat16 rounding of the unfused graph's (the prologue rounds once where HF rounds twice)."""
     monkeypatch.setattr(skinny_op, "_MEASURED", dict(skinny_op._MEASURED))
-    for N, K in ((128, 128), (128, 256)):  # o_proj, down_proj: on Triton tiles, so the adds fold too
+    for N, K in ((256, 256), (256, 512)):  # o_proj, down_proj: on Triton tiles, so the adds fold too
         skinny_op._MEASURED[(64, N, K)] = (32, 64, 4, 3, 3.0, 4.0)
-    config = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    # head dim 64: the attention kernels' least (32 was refused on the H100, forty-third session)
+    config = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     want, plain = _hf_logits("llama", monkeypatch, False, "cuda", torch.bfloat16, **config)
     got, gm = _hf_logits("llama", monkeypatch, True, "cuda", torch.bfloat16, **config)
     assert len([n for n in ops(gm, GLU) + ops(gm, ROPE) if len(n.args) in (4, 9)]) == 6
