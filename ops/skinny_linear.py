@@ -28,6 +28,14 @@ split order, so the result does not depend on arrival order (deterministic), add
 stores. (The semaphore-ordered reduction of split-K / stream-K GEMMs: CUTLASS's ``Semaphore`` and the stream-K
 paper, Osama et al. 2023; written here for Triton.)
 
+``skinny_linear_norm_out`` (the residual epilogue, plus the next RMSNorm's inputs): a decoder layer's RMSNorm
+after ``h = residual + o_proj(x)`` moves into this GEMM's epilogue and the next GEMM's end, not the next GEMM's K
+loop. This op also stores ``u = round(norm_weight * s)`` (s: the rounded sum, as stored) and, for each BLOCK_N-wide
+output slice, the rows' partial sums of ``s^2``; the next GEMM streams ``u`` straight into its MMA and scales its
+sums by the row's ``rsqrt(sum of the partials / N + eps)`` at the end. Why not a norm prologue in the next GEMM's
+K loop: one that feeds the MMA from registers made wgmma synchronous (17 ``wgmma.wait_group`` in the loop instead
+of 2; an 8B verify 6.3 -> 9.6 ms on an H100). Only the MMA kernel with split_k == 1 has it (``norm_out_supported``).
+
 ``l2_prefetch`` (a measured-table entry, or ``TREECOMPILE_SKINNY_L2_PREFETCH`` for a whole run): each program
 first hints the 128-byte lines of its first weight tiles into L2 (``_common.prefetch_l2``), before its dependency
 wait, so under dependent launches the weight streams in while the previous kernel ends. Off by default (no
@@ -43,6 +51,11 @@ residual [M, N] or None  x's dtype, last dim contiguous, any row stride: added i
        to x's dtype first (what ``F.linear`` returns), then that plus the residual in float32, rounded again
        (PyTorch's 16-bit add), i.e. ``round(round(x @ weight.T + bias) + residual)``; for float32 one rounding.
 out    [M, N]  x's dtype; accumulated in float32 (float32 inputs: IEEE products, no TF32)
+norm_weight [N]  (``skinny_linear_norm_out``) x's dtype, any stride: the next RMSNorm's weight
+s      [M, N]  (``skinny_linear_norm_out``) x's dtype: ``skinny_linear(x, weight, bias, constant_weight, residual)``
+u      [M, N]  (``skinny_linear_norm_out``) x's dtype: ``round(norm_weight.float() * s.float())``
+sumsq  [S, M]  (``skinny_linear_norm_out``) float32, S = ``norm_out_slices(M, N, K)`` = cdiv(N, the launch's
+       block_n): sumsq[j, m] = sum of s[m, n].float() ** 2 over the slice's columns [j * block_n, (j + 1) * block_n)
 constant_weight  bool: the weight is a parameter or constant, never written by the kernel just before
        this one. Only then may a programmatic dependent launch (a ``gemv_pdl`` tile entry) read its first
        weight tile before waiting for that kernel; otherwise it waits first. Default False (always safe).
@@ -75,6 +88,7 @@ if HAS_TRITON:
 __all__ = [
     "skinny_linear", "skinny_linear_reference", "linear_rows", "SkinnyConfig", "choose_skinny_config",
     "measured_tiles", "swept_mma_tiles", "register_tiles", "gemv_config", "gpu_class", "MAX_ROWS", "GEMV_MAX_ROWS",
+    "skinny_linear_norm_out", "skinny_linear_norm_out_reference", "norm_out_slices", "norm_out_supported",
 ]
 
 MAX_ROWS = 256
@@ -110,6 +124,58 @@ def skinny_linear(
 def _(x, weight, bias=None, constant_weight=False, residual=None):
     _check_inputs(x, weight, bias, residual)
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("treespec::skinny_linear_norm_out", mutates_args=())
+def skinny_linear_norm_out(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, constant_weight: bool, residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(s, u, sumsq)``: ``s = skinny_linear(x, weight, bias, constant_weight, residual)`` (same bits), ``u =
+    round(norm_weight * s)`` (float32 product of the rounded s, rounded to x's dtype) and ``sumsq [S, M]``
+    float32, the sum of ``s.float() ** 2`` over each of the launch's BLOCK_N-wide output slices (S =
+    ``norm_out_slices(M, N, K)``; the last slice may be partial): the next GEMM streams ``u`` into its MMA
+    and scales its sums by ``rsqrt(sumsq.sum(0) / N + eps)`` (see the module docstring). Only where
+    ``norm_out_supported(M, N, K)`` (the MMA kernel with split_k == 1); otherwise ValueError. Metadata checks
+    only: safe under CUDA-graph capture."""
+    cfg = _check_norm_out_inputs(x, weight, bias, residual, norm_weight)
+    if use_triton(x, weight, residual, norm_weight, *(() if bias is None else (bias,))):
+        M, N = x.shape[0], weight.shape[0]
+        s, u = x.new_empty((M, N)), x.new_empty((M, N))
+        sumsq = torch.empty(((N + cfg.block_n - 1) // cfg.block_n, M), dtype=torch.float32, device=x.device)
+        _launch_skinny_linear(x, weight, bias, s, cfg, constant_weight, residual=residual,
+                              norm=(u, sumsq, norm_weight))  # fmt: skip
+        return s, u, sumsq
+    return skinny_linear_norm_out_reference(x, weight, bias, residual, norm_weight, block_n=cfg.block_n)
+
+
+@skinny_linear_norm_out.register_fake
+def _(x, weight, bias, constant_weight, residual, norm_weight):
+    cfg = _check_norm_out_inputs(x, weight, bias, residual, norm_weight)
+    M, N = x.shape[0], weight.shape[0]
+    sumsq = x.new_empty(((N + cfg.block_n - 1) // cfg.block_n, M), dtype=torch.float32)
+    return x.new_empty((M, N)), x.new_empty((M, N)), sumsq
+
+
+def _check_norm_out_inputs(x, weight, bias, residual, norm_weight) -> SkinnyConfig:
+    """skinny_linear's checks, plus residual and norm_weight required; the launch config (its refusal raised)."""
+    if residual is None:
+        raise ValueError("residual: required by skinny_linear_norm_out ([M, N], x's dtype)")
+    if norm_weight is None:
+        raise ValueError("norm_weight: required by skinny_linear_norm_out ([N], x's dtype)")
+    _check_inputs(x, weight, bias, residual)
+    N = weight.shape[0]
+    check_dim("norm_weight", norm_weight, 1, f"[N={N}]")
+    check_dtype("norm_weight", norm_weight, x.dtype)
+    if norm_weight.shape[0] != N:
+        raise ValueError(f"norm_weight: expected [N={N}] (weight's N), got {tuple(norm_weight.shape)}")
+    check_same_device(x=x, norm_weight=norm_weight)
+    M, K = x.shape
+    cfg = _default_config(M, N, K)
+    refusal = _norm_out_refusal(cfg)
+    if refusal is not None:
+        raise ValueError(f"skinny_linear_norm_out: not supported for (M={M}, N={N}, K={K}): {refusal}")
+    return cfg
 
 
 def _check_inputs(
@@ -489,14 +555,61 @@ def gemv_config(M: int, N: int, K: int, **override) -> SkinnyConfig:
     return SkinnyConfig(**cfg)
 
 
+def _default_config(M: int, N: int, K: int) -> SkinnyConfig:
+    """The launch config of a call without one: the measured tiles, else the static ones. One place, so that
+    ``norm_out_slices`` / ``norm_out_supported`` and the launch cannot disagree."""
+    return measured_tiles(M, N, K) or choose_skinny_config(M, N, K)
+
+
+def _norm_out_refusal(cfg: SkinnyConfig) -> str | None:
+    """Why ``cfg`` cannot run the norm-out epilogue (None: it can). Only the MMA kernel's one-pass store has it."""
+    if cfg.gemv:
+        return "the chosen config is the gemv kernel (a measured <= 16-row entry), which has no norm-out epilogue"
+    if cfg.split_k != 1:
+        return f"the chosen config splits K (split_k={cfg.split_k}); the norm-out epilogue needs split_k == 1"
+    return None
+
+
+def norm_out_slices(M: int, N: int, K: int) -> int:
+    """S, the rows of ``skinny_linear_norm_out``'s ``sumsq [S, M]``: the launch's BLOCK_N-wide output slices,
+    ``cdiv(N, block_n)`` of the config the launcher picks for (M, N, K) (measured tiles, else static ones)."""
+    block_n = _default_config(M, N, K).block_n
+    return (N + block_n - 1) // block_n
+
+
+def norm_out_supported(M: int, N: int, K: int) -> bool:
+    """Whether ``skinny_linear_norm_out`` runs for (M, N, K): the config the launcher picks is the MMA kernel
+    (not gemv) with split_k == 1 (TMA weight boxes or not). Otherwise the op raises ValueError."""
+    return _norm_out_refusal(_default_config(M, N, K)) is None
+
+
 def _launch_skinny_linear(
-    x, weight, bias, out, config: SkinnyConfig | None = None, constant_weight: bool = False, *, residual=None
-) -> None:
+    x, weight, bias, out, config: SkinnyConfig | None = None, constant_weight: bool = False, *, residual=None,
+    norm=None,
+) -> None:  # fmt: skip
     """Fill preallocated ``out [M, N]`` (any row stride, last dim contiguous); with ``residual [M, N]`` (any
-    row stride, last dim contiguous) out = round(round(x @ weight.T + bias) + residual)."""
+    row stride, last dim contiguous) out = round(round(x @ weight.T + bias) + residual). ``norm = (u, sumsq,
+    norm_weight)``: the norm-out epilogue (``skinny_linear_norm_out``; residual required, an MMA config with
+    split_k == 1): u [M, N] (last dim contiguous) = round(norm_weight * out), sumsq [cdiv(N, block_n), M]
+    float32 contiguous = each slice's sum of out^2."""
     M, K = x.shape
     N = weight.shape[0]
-    cfg = config or measured_tiles(M, N, K) or choose_skinny_config(M, N, K)
+    cfg = config or _default_config(M, N, K)
+    norm_args = {}
+    if norm is not None:
+        u, sumsq, norm_weight = norm
+        refusal = _norm_out_refusal(cfg)
+        if refusal is not None:
+            raise ValueError(f"skinny_linear_norm_out: {refusal}")
+        if residual is None:
+            raise ValueError("skinny_linear_norm_out: residual is required")
+        slices = triton.cdiv(N, cfg.block_n)
+        if tuple(sumsq.shape) != (slices, M) or sumsq.dtype != torch.float32 or not sumsq.is_contiguous():
+            raise ValueError(f"sumsq: expected a contiguous float32 [S={slices}, M={M}], got "
+                             f"{tuple(sumsq.shape)} {sumsq.dtype} strides {tuple(sumsq.stride())}")  # fmt: skip
+        if tuple(u.shape) != (M, N) or (N > 1 and u.stride(1) != 1):
+            raise ValueError(f"u: expected [M={M}, N={N}] with a contiguous last dim, got {tuple(u.shape)}")
+        norm_args = dict(u=u, sq=sumsq, g=norm_weight, s_um=u.stride(0), s_g=norm_weight.stride(0), NORM_OUT=True)
     if cfg.gemv:
         _launch_gemv(x, weight, bias, out, cfg, constant_weight, residual)
         return
@@ -521,7 +634,7 @@ def _launch_skinny_linear(
         PREC="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         L2_LINES=_l2_lines(cfg, weight.element_size()), LINE_ELEMS=128 // weight.element_size(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **(dict(launch_pdl=True) if pdl else {}), **norm_args,
     )  # fmt: skip
 
 
@@ -569,10 +682,15 @@ if HAS_TRITON:
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr, PREC: tl.constexpr,
         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, L2_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+        u=None, sq=None, g=None, s_um=0, s_g=0, NORM_OUT: tl.constexpr = False,
     ):  # fmt: skip
         """Program (n slice, m block, k split): out[m block, n slice] = x[m block] @ w[n slice].T (+ bias)
         (+ residual[m block, n slice]), over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then
         reduced by ``_split_k_store``, which adds bias and residual).
+
+        NORM_OUT (SPLIT_K == 1, HAS_RES; ``skinny_linear_norm_out``): the store is ``_norm_out_store``, which also
+        writes ``u [M, N]`` (row stride s_um) = round(g * s) for the norm weight ``g`` (stride s_g) and the
+        slice's sums of s^2 at ``sq [num slices, M]`` (contiguous). Off (the default), the kernel is as before.
 
         TMA: each weight tile is one box of ``w_desc`` (the copy engine fills shared memory, the pipeliner keeps
         num_stages - 1 boxes in flight, zeros past N and K); the rows of x stay pointer loads (a few KB a step).
@@ -610,9 +728,12 @@ if HAS_TRITON:
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        slice_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        _split_k_store(acc, b, r, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, s_rm, HAS_BIAS, HAS_RES,
-                       SPLIT_K)  # fmt: skip
+        if NORM_OUT:
+            _norm_out_store(acc, b, r, out, u, sq, g, rm, rn, M, N, s_om, s_b, s_rm, s_um, s_g, HAS_BIAS)
+        else:
+            slice_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            _split_k_store(acc, b, r, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, s_rm, HAS_BIAS, HAS_RES,
+                           SPLIT_K)  # fmt: skip
 
     @triton.jit
     def _prefetch_weight(
@@ -665,6 +786,29 @@ if HAS_TRITON:
                     y = _add_residual(y.to(out.dtype.element_ty), r, rm, rn, s_rm, ok)
                 tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(counters + slice_id, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _norm_out_store(
+        acc, b, r, out, u, sq, g, rm, rn, M, N, s_om, s_b, s_rm, s_um, s_g, HAS_BIAS: tl.constexpr,
+    ):  # fmt: skip
+        """``_split_k_store``'s SPLIT_K == 1 path with a residual, rounded the same way (s = round(round(acc +
+        bias) + residual), stored at out), then the next RMSNorm's inputs from the ROUNDED s: u[rm, rn] =
+        round(g[rn] * s) (float32 product, one rounding) under the same mask, and this slice's
+        sum over its columns of s^2 (float32; masked columns add 0) at sq[program_id(0), rm] (rows < M only)."""
+        m_ok = rm < M
+        n_ok = rn < N
+        ok = m_ok[:, None] & n_ok[None, :]
+        y = acc
+        if HAS_BIAS:
+            y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        s = _add_residual(y.to(out.dtype.element_ty), r, rm, rn, s_rm, ok).to(out.dtype.element_ty)
+        tl.store(out + rm.to(tl.int64)[:, None] * s_om + rn[None, :], s, mask=ok)
+        sf = s.to(tl.float32)
+        gf = tl.load(g + rn * s_g, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(u + rm.to(tl.int64)[:, None] * s_um + rn[None, :], (gf[None, :] * sf).to(u.dtype.element_ty),
+                 mask=ok)  # fmt: skip
+        part = tl.sum(tl.where(ok, sf * sf, 0.0), axis=1)
+        tl.store(sq + tl.program_id(0).to(tl.int64) * M + rm, part, mask=m_ok)
 
     @triton.jit
     def _add_residual(y, r, rm, rn, s_rm, ok):
@@ -782,3 +926,20 @@ def skinny_linear_reference(
     linear's result rounded, then the add's)."""
     out = F.linear(x, weight, bias)
     return out if residual is None else out + residual
+
+
+def skinny_linear_norm_out_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
+    block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The CPU path of ``skinny_linear_norm_out`` and the test oracle: ``s`` the residual reference above, ``u =
+    round(norm_weight.float() * s.float())``, ``sumsq [S, M]`` the sums of ``s.float() ** 2`` over column slices
+    of ``block_n`` (default: the launch config's, so the kernel's slice boundaries), S = cdiv(N, block_n)."""
+    s = skinny_linear_reference(x, weight, bias, residual)
+    u = (norm_weight.float()[None, :] * s.float()).to(x.dtype)
+    M, N = s.shape
+    if block_n is None:
+        block_n = _default_config(M, N, x.shape[1]).block_n
+    slices = (N + block_n - 1) // block_n
+    sq = F.pad(s.float().pow(2), (0, slices * block_n - N))
+    return s, u, sq.reshape(M, slices, block_n).sum(-1).t().contiguous()

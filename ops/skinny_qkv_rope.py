@@ -15,18 +15,18 @@ Numerics follow the unfused graph: the GEMM's outputs are rounded to x's dtype (
 rotation ``a * cos + rotate_half(a) * sin`` runs in float32 from x-dtype cos / sin (HF casts them to q's dtype)
 and is rounded once (Inductor's fused pointwise kernel). Only the GEMM's summation order differs from cuBLAS's.
 
-An optional RMSNorm prologue (``norm_weight``, ``eps``) folds the norm in front of a decoder layer's attention
-into the GEMM (``paired_rows_dot``'s, shared with ``skinny_glu``; the identity as in ``fused_mlp``): the q/k/v
-input is then HF's ``LlamaRMSNorm`` of x, ``norm_weight * (s * r)`` with ``s = x.float()`` and ``r = rsqrt(mean(
-s^2) + eps)`` (x is the norm's input; the residual add before it is the producing GEMM's epilogue). Since ``r``
-is one number a row, ``W (norm_weight * s * r) = r * W (norm_weight * s)``: each program feeds ``norm_weight *
-s`` (rounded to x's dtype) to the MMA, sums ``s^2`` in float32 over the same K steps and scales both
-accumulators by ``r`` after the loop, first in the epilogue: before the bias, which is not scaled
-(``linear(normed) = r * (W @ (norm_weight * s)) + bias``), before the roundings and the rotation. Rounding
-differs from HF's at one point: HF rounds ``s * r`` and then ``norm_weight * (s * r)`` to x's dtype, the kernel
-rounds ``norm_weight * s`` once (bfloat16: ~2^-8 relative; float32: ~2^-24). The reference (the CPU path, which
-float64 lossless runs take) is HF's exactly, float32 norm for float64 x included. In float16 ``norm_weight * s``
-must fit the dtype (|value| <= 65504), which HF's order only asks of the normalised row.
+An optional RMSNorm row scale (``norm_sumsq``, ``eps``; ``skinny_glu``'s, whose docstring has the full story)
+folds the norm in front of a decoder layer's attention into this GEMM's epilogue. HF feeds the q/k/v GEMM
+``norm_weight * round(s * r)`` (rounded again), ``r = rsqrt(mean(s^2) + eps)`` one number a row; the producing GEMM
+(``treespec::skinny_linear_norm_out``) stores ``x = u = round(norm_weight * s)`` and ``norm_sumsq [S, M]``, float32
+partial sums of ``s^2`` over S column slices of s; this op streams ``x`` into the MMA as without the norm and
+scales the float32 sums by ``r = rsqrt(norm_sumsq.sum(0) / K + eps)`` first in the epilogue: before the bias,
+which is not scaled (``linear(normed) = r * (W @ (norm_weight * s)) + bias``), before the roundings and the
+rotation. Rounding: one rounding of ``norm_weight * s`` where HF has two (bfloat16: ~2^-8 relative; float32:
+~2^-24); in float16 ``norm_weight * s`` must fit the dtype. The reference (the CPU path) does the same: float32
+sums (float64 for float64 x) scaled by the float32 ``r``, plus the bias, rounded, then the rotation. (The earlier
+RMSNorm prologue, ``norm_weight`` multiplied into each K step's x tile in registers, made sm_90's wgmma
+synchronous, 17 ``wgmma.wait_group`` in the loop against 2, and an 8B verify 6.3 -> 9.6 ms on an H100: gone.)
 
 Tiles: the q/k/v shape's MMA entry in ``skinny_linear``'s measured table whether or not it beat cuBLAS (the op
 replaces two launches, not one GEMM), half as wide, capped at D/2; else that shape's default tiles.
@@ -45,8 +45,9 @@ bias    [(Hq + 2 Hkv) D] or None, x's dtype, any stride (Qwen2's q/k/v bias: add
                  the rounding, as an addmm does)
 cos/sin [M, D]   x's dtype, last dim contiguous, any row stride: row i's rotary table (HF's ``cos``/``sin``)
 out     q [M, Hq D], k [M, Hkv D] (both rotated), v [M, Hkv D]; x's dtype, contiguous
-norm_weight [K] or None  x's dtype, any stride: with it, the GEMM's input is rmsnorm(x) * norm_weight (above)
-eps     float, finite, >= 0: the norm's epsilon (unused without norm_weight)
+norm_sumsq [S, M] or None  float32, contiguous, 1 <= S <= 1024 (``MAX_SUMSQ_SLICES``): per-slice sums of the
+                 norm input's squares; with it the sums (not the bias) are scaled by rsqrt(norm_sumsq.sum(0) / K + eps)
+eps     float, finite, >= 0: the norm's epsilon (unused without norm_sumsq)
 
 On CUDA, D / 2 must be a multiple of 16 (the MMA tile's least width). Only metadata is checked at the boundary:
 no host sync, safe under CUDA-graph capture.
@@ -67,9 +68,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .skinny_glu import paired_rows_dot
+    from .skinny_glu import paired_rows_dot, row_rsqrt, row_scale_args
 
-from .skinny_glu import check_norm_prologue, rmsnorm_reference
+from .skinny_glu import check_row_scale, scaled_linear_reference
 
 __all__ = [
     "skinny_qkv_rope", "skinny_qkv_rope_reference", "rope_wanted", "rope_config", "MAX_ROWS", "ROPE_ENV",
@@ -91,23 +92,23 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float
 @torch.library.custom_op("treespec::skinny_qkv_rope", mutates_args=())
 def skinny_qkv_rope(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-    num_q_heads: int, num_kv_heads: int, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    num_q_heads: int, num_kv_heads: int, norm_sumsq: torch.Tensor | None = None, eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rope(x @ Wq.T + bq), rope(x @ Wk.T + bk), x @ Wv.T + bv)`` for ``x [M <= 64, K]``, x first normalised
-    (HF RMSNorm) when ``norm_weight`` is given (module docstring)."""
-    D = _check_inputs(x, weight, bias, cos, sin, num_q_heads, num_kv_heads, norm_weight, eps)
-    if use_triton(x, weight, cos, sin, *(() if norm_weight is None else (norm_weight,))):
+    """``(rope(x @ Wq.T + bq), rope(x @ Wk.T + bk), x @ Wv.T + bv)`` for ``x [M <= 64, K]``; with ``norm_sumsq``,
+    the sums (not the bias) scaled by the row's RMSNorm ``rsqrt(norm_sumsq.sum(0) / K + eps)`` (module docstring)."""
+    D = _check_inputs(x, weight, bias, cos, sin, num_q_heads, num_kv_heads, norm_sumsq, eps)
+    if use_triton(x, weight, cos, sin, *(() if norm_sumsq is None else (norm_sumsq,))):
         q, k, v = _empty_outputs(x, num_q_heads, num_kv_heads, D)
-        _launch_skinny_qkv_rope(x, weight, bias, cos, sin, q, k, v, norm_weight=norm_weight, eps=eps)
+        _launch_skinny_qkv_rope(x, weight, bias, cos, sin, q, k, v, norm_sumsq=norm_sumsq, eps=eps)
         return q, k, v
-    if norm_weight is None:  # the plain call, as before the prologue existed (callers and test spies see it)
+    if norm_sumsq is None:  # the plain call, as before the row scale existed (callers and test spies see it)
         return skinny_qkv_rope_reference(x, weight, bias, cos, sin, num_q_heads, num_kv_heads)
-    return skinny_qkv_rope_reference(x, weight, bias, cos, sin, num_q_heads, num_kv_heads, norm_weight, eps)
+    return skinny_qkv_rope_reference(x, weight, bias, cos, sin, num_q_heads, num_kv_heads, norm_sumsq, eps)
 
 
 @skinny_qkv_rope.register_fake
-def _(x, weight, bias, cos, sin, num_q_heads, num_kv_heads, norm_weight=None, eps=0.0):
-    D = _check_inputs(x, weight, bias, cos, sin, num_q_heads, num_kv_heads, norm_weight, eps)
+def _(x, weight, bias, cos, sin, num_q_heads, num_kv_heads, norm_sumsq=None, eps=0.0):
+    D = _check_inputs(x, weight, bias, cos, sin, num_q_heads, num_kv_heads, norm_sumsq, eps)
     return _empty_outputs(x, num_q_heads, num_kv_heads, D)
 
 
@@ -117,7 +118,7 @@ def _empty_outputs(x, num_q_heads, num_kv_heads, D):
 
 
 def _check_inputs(
-    x, weight, bias, cos, sin, num_q_heads: int, num_kv_heads: int, norm_weight=None, eps: float = 0.0
+    x, weight, bias, cos, sin, num_q_heads: int, num_kv_heads: int, norm_sumsq=None, eps: float = 0.0
 ) -> int:  # fmt: skip
     """Returns D (the head dim) once every argument is checked."""
     check_dim("x", x, 2, "[M, K]")
@@ -157,7 +158,7 @@ def _check_inputs(
     if weight.stride(1) != 1 or weight.stride(0) != K:
         raise ValueError(f"weight: expected contiguous rows, got strides {tuple(weight.stride())}")
     check_same_device(x=x, weight=weight, cos=cos, sin=sin)
-    check_norm_prologue(x, norm_weight, eps)
+    check_row_scale(x, norm_sumsq, eps)
     return D
 
 
@@ -212,11 +213,11 @@ def _env_tiles(D: int):
 
 
 def _launch_skinny_qkv_rope(
-    x, weight, bias, cos, sin, q, k, v, config=None, norm_weight=None, eps: float = 0.0
+    x, weight, bias, cos, sin, q, k, v, config=None, norm_sumsq=None, eps: float = 0.0
 ) -> None:  # fmt: skip
     """Fill preallocated ``q, k, v`` (any row stride, last dim contiguous). ``config``: a ``rope_config`` tuple
-    (tests and sweeps), else ``rope_config``'s choice. ``norm_weight``: the RMSNorm prologue (NORM; without it
-    x stands in for the unused pointer and the kernel is the plain one)."""
+    (tests and sweeps), else ``rope_config``'s choice. ``norm_sumsq``: the RMSNorm row scale (ROW_SCALE; without
+    it the kernel is the plain one)."""
     M, K = x.shape
     D = cos.shape[1]
     Hq, Hkv = q.shape[1] // D, k.shape[1] // D
@@ -225,12 +226,11 @@ def _launch_skinny_qkv_rope(
         raise ValueError(f"config: block_m={block_m} must cover M={M} and block_n={block_n} divide D/2={D // 2}")
     pdl = pdl_enabled(x.device)
     per_head = D // 2 // block_n
-    norm = norm_weight is not None
     _skinny_qkv_rope_kernel[((Hq + 2 * Hkv) * per_head,)](
-        x, weight, weight if bias is None else bias, cos, sin, q, k, v, norm_weight if norm else x, float(eps),
+        x, weight, weight if bias is None else bias, cos, sin, q, k, v,
         M, K, Hq, Hkv, x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0), cos.stride(0),
-        sin.stride(0), q.stride(0), k.stride(0), v.stride(0), norm_weight.stride(0) if norm else 0,
-        NORM=norm, HAS_BIAS=bias is not None, D=D, PER_HEAD=per_head,
+        sin.stride(0), q.stride(0), k.stride(0), v.stride(0), **row_scale_args(x, norm_sumsq, eps),
+        HAS_BIAS=bias is not None, D=D, PER_HEAD=per_head,
         EVEN_K=K % block_k == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         **(dict(launch_pdl=True) if pdl else {}),
@@ -241,16 +241,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_qkv_rope_kernel(
-        x, w, b, cos, sin, q, k, v, nw, eps, M, K, Hq, Hkv, s_xm, s_wn, s_b, s_cm, s_sm, s_qm, s_km, s_vm, s_nw,
-        NORM: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr, PER_HEAD: tl.constexpr, EVEN_K: tl.constexpr,
-        PREC: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x, w, b, cos, sin, q, k, v, M, K, Hq, Hkv, s_xm, s_wn, s_b, s_cm, s_sm, s_qm, s_km, s_vm, ss, eps, S,
+        ROW_SCALE: tl.constexpr, S_P2: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
+        PER_HEAD: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         """Program p: head h = p // PER_HEAD (q heads, then k, then v), features [c, c + BLOCK_N) of both its
         halves, c = (p % PER_HEAD) * BLOCK_N: weight rows h D + c (lo) and h D + D/2 + c (hi), accumulated over K
-        in two float32 tiles from one x tile a step (NORM: ``paired_rows_dot`` returns them already scaled by the
-        row's rsqrt(mean(x^2) + eps), so the epilogue starts from the normalised row's sums and the bias is
-        added unscaled). Epilogue: the bias added (HAS_BIAS), both rounded to x's dtype; q and k heads rotate
-        (lo' = lo cos - hi sin, hi' = hi cos + lo sin in float32), v heads do not; stored to their output.
+        in two float32 tiles from one x tile a step. Epilogue: (ROW_SCALE) both scaled by the row's norm rsqrt
+        from ``ss`` (``row_rsqrt``), the bias added unscaled (HAS_BIAS), both rounded to x's dtype; q and k heads
+        rotate (lo' = lo cos - hi sin, hi' = hi cos + lo sin in float32), v heads do not; stored to their output.
         Rows past M read row 0 (in bounds) and are dropped at the store."""
         pid = tl.program_id(0)
         h = pid // PER_HEAD
@@ -265,10 +265,13 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
         lo_rows = (h * D + c + rn).to(tl.int64)
         acc_lo, acc_hi = paired_rows_dot(
-            x, w, nw, eps, rows, lo_rows, lo_rows + HALF, K, s_xm, s_wn, s_nw,
-            NORM, EVEN_K, PREC, BLOCK_M, BLOCK_N, BLOCK_K,
+            x, w, rows, lo_rows, lo_rows + HALF, K, s_xm, s_wn, EVEN_K, PREC, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        if HAS_BIAS:  # after the norm's scale (in paired_rows_dot), unscaled: r * (W @ (norm_weight * s)) + bias
+        if ROW_SCALE:  # first: r * (W @ (norm_weight * s)), the bias below unscaled
+            r = row_rsqrt(ss, eps, S, M, K, rm, S_P2, BLOCK_M)[:, None]
+            acc_lo *= r
+            acc_hi *= r
+        if HAS_BIAS:
             acc_lo += tl.load(b + lo_rows * s_b).to(tl.float32)[None, :]
             acc_hi += tl.load(b + (lo_rows + HALF) * s_b).to(tl.float32)[None, :]
         lo = acc_lo.to(q.dtype.element_ty).to(tl.float32)  # the fused linear's rounding
@@ -307,14 +310,17 @@ def rotate_half_reference(a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 
 
 def skinny_qkv_rope_reference(
-    x, weight, bias, cos, sin, num_q_heads: int, num_kv_heads: int, norm_weight=None, eps: float = 0.0
+    x, weight, bias, cos, sin, num_q_heads: int, num_kv_heads: int, norm_sumsq=None, eps: float = 0.0
 ):  # fmt: skip
-    """The CPU path and the test oracle: the unfused graph's ops and roundings (with ``norm_weight``, first HF's
-    RMSNorm of x; F.linear in x's dtype, then the rotation in float32 for 16-bit x, rounded back)."""
-    if norm_weight is not None:
-        x = rmsnorm_reference(x, norm_weight, eps)
+    """The CPU path and the test oracle: the unfused graph's ops and roundings (F.linear in x's dtype, then the
+    rotation in float32 for 16-bit x, rounded back). With ``norm_sumsq`` the GEMM's sums are float32 (float64 for
+    float64 x), scaled by the row's float32 ``rsqrt(norm_sumsq.sum(0) / K + eps)``, plus the unscaled bias, then
+    rounded to x's dtype."""
     M, D = x.shape[0], cos.shape[1]
-    qkv = F.linear(x, weight, bias)
+    if norm_sumsq is None:
+        qkv = F.linear(x, weight, bias)
+    else:
+        qkv = scaled_linear_reference(x, weight, bias, norm_sumsq, eps)
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     q, k, v = qkv.split([num_q_heads * D, num_kv_heads * D, num_kv_heads * D], dim=-1)
     c, s = cos.to(wide), sin.to(wide)

@@ -10,9 +10,8 @@ oneDNN-packed weights; with one that asks for skinny linears, a gated MLP of <= 
 faster fused runs as one treespec::fused_mlp call, a verify tree's gate/up and silu-mul run as one
 treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), a verify tree's q/k/v projection and
 rotary embedding run as one treespec::skinny_qkv_rope call (``TREECOMPILE_SKINNY_ROPE=0`` turns it off), and 16-bit
-CUDA linears of <= 256 rows run on Triton tiles; then a verify's RMSNorms go into those two calls' prologues and the
-residual adds before them into the producing skinny_linear's epilogue where ``TREECOMPILE_FUSE_NORM=1`` asks (it lost
-on an H100: off by default).
+CUDA linears of <= 256 rows run on Triton tiles; then, where ``TREECOMPILE_FUSE_NORM=1`` asks, the residual add and
+RMSNorm before those two calls go into the epilogue of the skinny_linear that produced their input.
 Last, an eager CPU graph calls the attention ops' CPU implementations directly (no dispatcher).
 """
 

@@ -1,17 +1,19 @@
 """treespec::skinny_glu: the Triton kernel (interpreter on CPU, the device on GPU) against the float64 unfused
 gate/up + silu-mul, over row counts 1..64, I not a multiple of the slice, K not a multiple of the step, strided
-rows; the RMSNorm prologue against HF's norm in float64 (rows of very different magnitudes, a norm weight far from
-ones, K tails, strided x and norm weight); the op's CPU path (HF's norm exactly) and its boundary checks. Outputs
-are poisoned with NaN so an unwritten element fails. bfloat16 runs on the GPU only (the interpreter's tl.dot
-misreads bfloat16 operands)."""
+rows; the RMSNorm row scale (the producer's ``round(norm_weight * s)`` and per-slice sums of squares in, the sums
+scaled by the row's rsqrt after the loop) against HF's norm in float64 (rows of very different magnitudes, a norm
+weight far from ones, 1, 3 and 128 slices, K tails, strided x; a wrong sum of squares fails); the op's CPU path,
+its tracing and its boundary checks. Outputs are poisoned with NaN so an unwritten element fails. bfloat16 runs on
+the GPU only (the interpreter's tl.dot misreads bfloat16 operands)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import poisoned
 from treecompile.ops.skinny_glu import (
-    GLU_ENV, MAX_ROWS, _launch_skinny_glu, glu_config, glu_wanted, rmsnorm_reference, skinny_glu_reference,
+    GLU_ENV, MAX_ROWS, MAX_SUMSQ_SLICES, _launch_skinny_glu, glu_config, glu_wanted, skinny_glu_reference,
 )  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,19 +26,30 @@ def _inputs(M, I, K, dtype, seed=0):
     return x, w
 
 
-def _norm_inputs(M, K, dtype, seed):
-    """The norm's input rows at magnitudes from 1/16 to 64 (a dropped or misplaced per-row scale r fails) and a
-    norm weight of varied values around 1, some negative (a dropped norm weight fails)."""
+def _row_scale_inputs(M, K, dtype, seed, slices, scales=None):
+    """The norm's input s (rows at magnitudes ``scales``, default 1/16 to 64: a dropped or misplaced per-row scale
+    fails), a norm weight g of varied values around 1, some negative (a dropped g fails), and what the producer
+    GEMM hands the op: ``u = round(g * s)`` (x's dtype) and ``sumsq [slices, M]``, float32 sums of s^2 over
+    ``slices`` column ranges of s (uneven; with more slices than K some are empty)."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=gen) * 2.0 ** (torch.arange(M) % 11 - 4.0)[:, None]
-    norm_weight = 1 + 0.6 * torch.randn(K, generator=gen)
-    return x.to(dtype), norm_weight.to(dtype)
+    scales = 2.0 ** (torch.arange(M) % 11 - 4.0) if scales is None else scales
+    s = (torch.randn(M, K, generator=gen) * scales[:, None]).to(dtype)
+    g = (1 + 0.6 * torch.randn(K, generator=gen)).to(dtype)
+    return s, g, *_producer(s, g, slices)
 
 
-def _rmsnorm_float64(x, norm_weight, eps):
-    """HF's LlamaRMSNorm written out in float64 (no rounding anywhere): the float64 oracle's norm."""
-    s = x.cpu().double()
-    return norm_weight.cpu().double() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))
+def _producer(s, g, slices):
+    """``skinny_linear_norm_out``'s outputs for the norm input s and weight g: u = round(g * s), per-slice sumsq."""
+    sf = s.float()
+    u = (g.float() * sf).to(s.dtype)
+    sumsq = torch.stack([(part**2).sum(-1) for part in torch.tensor_split(sf, slices, dim=1)]).contiguous()
+    return u, sumsq
+
+
+def _hf_norm_float64(s, g, eps):
+    """HF's LlamaRMSNorm written out in float64 (no rounding anywhere): the float64 oracle's GEMM input."""
+    s = s.cpu().double()
+    return g.cpu().double() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))
 
 
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
@@ -85,78 +98,103 @@ def test_op_on_cpu_is_the_reference_and_traces():
     assert torch.equal(skinny_glu_reference(x16, w16), (torch.nn.functional.silu(g.float()) * u.float()).half())
 
 
+ROW_SCALE_SHAPES = [(17, 24, 72, (32, 16, 32, 4, 2)), (20, 40, 96, (32, 32, 32, 4, 3)),
+                    (64, 40, 200, (64, 16, 16, 4, 2))]  # fmt: skip
+
+
+@pytest.mark.parametrize("slices", [1, 3, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16], ids=str)
-@pytest.mark.parametrize(
-    "M,I,K,config",
-    [(1, 16, 64, (16, 16, 32, 4, 2)), (17, 24, 72, (32, 16, 32, 4, 2)), (20, 40, 96, (32, 32, 32, 4, 3)),
-     (64, 40, 200, (64, 16, 16, 4, 2)), (33, 50, 64, None)],
-)  # fmt: skip
-def test_norm_prologue_matches_float64_hf_norm(dtype, M, I, K, config, kernel_device):
-    """With norm_weight the gate/up input is HF's RMSNorm of x: the row's sum of squares over the same K steps
-    (a tail step, K = 72 or 200 past the last 32 / 16, adds nothing), the accumulators scaled by r before the
-    roundings and silu. Against the float64 oracle a little looser than without the norm at 16 bits (the kernel
-    rounds norm_weight * x to x's dtype); against the op's HF-rounding reference, float16, one rounding apart."""
+@pytest.mark.parametrize("M,I,K,config", ROW_SCALE_SHAPES)
+def test_row_scale_matches_float64_hf_norm(dtype, M, I, K, config, slices, kernel_device):
+    """Given u = round(g * s) and s's per-slice sums of squares, the op is the gate/up + silu-mul of HF's RMSNorm
+    of s: the sums scaled by r = rsqrt(sumsq.sum(0) / K + eps) before the roundings and silu (K = 72 / 200: a
+    tail step past the last 32 / 16; 128 slices: S_P2 = 128, more slices than K at K = 72 / 96, some empty).
+    Against the float64 oracle a little looser than without the norm at 16 bits (g * s is rounded once); against
+    the op's reference (the same numerics, the CPU path) as tight as the plain kernel."""
     d = kernel_device
     _, w = _inputs(M, I, K, dtype, seed=M + I + K)
-    x, norm_weight = _norm_inputs(M, K, dtype, seed=M * K)
-    x, w, norm_weight = x.to(d), w.to(d), norm_weight.to(d)
+    s, g, u, sumsq = _row_scale_inputs(M, K, dtype, seed=M * K + slices, slices=slices)
+    w, u, sumsq = w.to(d), u.to(d), sumsq.to(d)
     out = poisoned((M, I), dtype, d)
-    _launch_skinny_glu(x, w, out, config, norm_weight, 1e-5)
+    _launch_skinny_glu(u, w, out, config, sumsq, 1e-5)
     assert not out.isnan().any(), "unwritten output elements"
-    want = skinny_glu_reference(_rmsnorm_float64(x, norm_weight, 1e-5), w.cpu().double())
+    want = skinny_glu_reference(_hf_norm_float64(s, g, 1e-5), w.cpu().double())
     tol = {torch.float32: 1e-5, torch.float16: 3e-2, torch.bfloat16: 8e-2}[dtype]
     torch.testing.assert_close(out.cpu().double(), want, rtol=tol, atol=tol)
-    if dtype == torch.float16:  # HF's rounding (norm_weight * round(x * r)) against the kernel's one rounding
-        hf = skinny_glu_reference(x.cpu(), w.cpu(), norm_weight.cpu(), 1e-5)
-        torch.testing.assert_close(out.cpu().float(), hf.float(), rtol=4e-3, atol=4e-3)
+    ref = skinny_glu_reference(u.cpu(), w.cpu(), sumsq.cpu(), 1e-5)
+    torch.testing.assert_close(out.cpu(), ref, rtol=2e-3 if dtype == torch.float16 else tol, atol=2e-3 if
+                               dtype == torch.float16 else tol)  # fmt: skip
 
 
-def test_norm_prologue_with_strided_rows_and_norm_weight(kernel_device):
-    """x as a column range of a wider table and the norm weight as a column of another (stride 3): both read with
-    their strides; eps enters the scale (and with eps > 0 a row of zeros gives zeros, not NaN)."""
+def test_a_wrong_sum_of_squares_fails_the_comparison(kernel_device):
+    """The comparison above has teeth: one of three slices dropped (a producer that lost a slice), or the sums
+    taken of u = g * s instead of s, moves r by far more than the tolerance."""
+    d = kernel_device
+    M, I, K = 20, 24, 72
+    _, w = _inputs(M, I, K, torch.float32, seed=3)
+    s, g, u, sumsq = _row_scale_inputs(M, K, torch.float32, seed=3, slices=3)
+    want = skinny_glu_reference(_hf_norm_float64(s, g, 1e-5), w.double())
+    w, u = w.to(d), u.to(d)
+    for bad in (sumsq[1:].contiguous(), _producer(u.cpu(), torch.ones(K), 3)[1]):
+        out = poisoned((M, I), torch.float32, d)
+        _launch_skinny_glu(u, w, out, (32, 16, 32, 4, 2), bad.to(d), 1e-5)
+        assert not torch.allclose(out.cpu().double(), want, rtol=1e-3, atol=1e-3)
+    out = poisoned((M, I), torch.float32, d)
+    _launch_skinny_glu(u, w, out, (32, 16, 32, 4, 2), sumsq.to(d), 1e-5)
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_row_scale_with_strided_rows_and_eps(kernel_device):
+    """x (= u) as a column range of a wider table, read with its row stride; eps enters the scale (with eps > 0 a
+    row of zeros gives zeros, not NaN); large rows (64 .. 1024: a dropped r is off by that factor)."""
     d = kernel_device
     M, I, K = 20, 24, 72
     _, w = (t.to(d) for t in _inputs(M, I, K, torch.float32, seed=8))
-    x, norm_weight = _norm_inputs(M, K, torch.float32, seed=8)
-    x[3] = 0.0
+    s, g, _, _ = _row_scale_inputs(M, K, torch.float32, seed=8, slices=1, scales=2.0 ** (6 + torch.arange(M) % 5.0))
+    s[3] = 0.0
+    u, sumsq = _producer(s, g, 3)
     wide_x = torch.zeros(M, K + 24, device=d)
-    wide_x[:, 8 : 8 + K] = x.to(d)
-    table = torch.zeros(K, 3, device=d)
-    table[:, 1] = norm_weight.to(d)
-    assert table[:, 1].stride(0) == 3
+    wide_x[:, 8 : 8 + K] = u.to(d)
     for eps in (1e-6, 0.5):
         out = poisoned((M, I), torch.float32, d)
-        _launch_skinny_glu(wide_x[:, 8 : 8 + K], w, out, (32, 16, 32, 4, 2), table[:, 1], eps)
-        want = skinny_glu_reference(_rmsnorm_float64(x, norm_weight, eps), w.cpu().double())
+        _launch_skinny_glu(wide_x[:, 8 : 8 + K], w, out, (32, 16, 32, 4, 2), sumsq.to(d), eps)
+        want = skinny_glu_reference(_hf_norm_float64(s, g, eps), w.cpu().double())
         torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
         assert not out[3].any()  # silu(0) * 0
 
 
-def test_norm_op_on_cpu_is_hf_exactly_and_traces():
-    """The CPU path with norm_weight is HF's LlamaRMSNorm (its float32 statistics whatever x's dtype, float64
-    included, and its two roundings) followed by the reference: bit for bit, so float64 lossless runs stay
-    lossless; the op traces with the new arguments and passes opcheck."""
+def test_row_scale_op_on_cpu_and_traces():
+    """The CPU path with norm_sumsq: the GEMM's sums in float32 (float64 for float64 x) scaled by the float32 r,
+    rounded, then silu-mul, bit for bit as written out here; within one 16-bit rounding of HF's LlamaRMSNorm
+    followed by the unfused graph (HF rounds s * r and g * (s * r), the producer g * s once); the op traces with
+    the new arguments and passes opcheck."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     M, I, K = 24, 16, 40
     for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         _, w = _inputs(M, I, K, dtype, seed=4)
-        x, norm_weight = _norm_inputs(M, K, dtype, seed=4)
+        s, g, u, sumsq = _row_scale_inputs(M, K, dtype, seed=4, slices=3)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        r = torch.rsqrt(sumsq.sum(0) / K + 1e-6)[:, None]
+        gu = ((u.to(acc) @ w.to(acc).T) * r.to(acc)).to(dtype)
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        want = (F.silu(gu[:, :I].to(wide)) * gu[:, I:].to(wide)).to(dtype)
+        got = torch.ops.treespec.skinny_glu(u, w, sumsq, 1e-6)
+        assert torch.equal(got, want), dtype
+        assert torch.equal(skinny_glu_reference(u, w, sumsq, 1e-6), want), dtype
         hf = LlamaRMSNorm(K, eps=1e-6).to(dtype)
         with torch.no_grad():
-            hf.weight.copy_(norm_weight)
-            normed = hf(x)
-        assert torch.equal(rmsnorm_reference(x, norm_weight, 1e-6), normed), dtype
-        want = skinny_glu_reference(normed, w)
-        assert torch.equal(skinny_glu_reference(x, w, norm_weight, 1e-6), want), dtype
-        assert torch.equal(torch.ops.treespec.skinny_glu(x, w, norm_weight, 1e-6), want), dtype
+            hf.weight.copy_(g)
+            hf_out = skinny_glu_reference(hf(s), w)
+        tol = {torch.float64: 1e-6, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+        torch.testing.assert_close(got.double(), hf_out.double(), rtol=tol, atol=tol)
     _, w = _inputs(M, I, K, torch.float64, seed=4)
-    x, norm_weight = _norm_inputs(M, K, torch.float64, seed=4)
+    _, _, u, sumsq = _row_scale_inputs(M, K, torch.float64, seed=4, slices=3)
     compiled = torch.compile(lambda a, b, n: torch.ops.treespec.skinny_glu(a, b, n, 1e-6) * 2, backend="aot_eager",
                              fullgraph=True)  # fmt: skip
-    assert torch.equal(compiled(x, w, norm_weight), skinny_glu_reference(x, w, norm_weight, 1e-6) * 2)
-    torch.library.opcheck(torch.ops.treespec.skinny_glu.default, (x, w, norm_weight, 1e-6))
-    torch.library.opcheck(torch.ops.treespec.skinny_glu.default, (x, w))
+    assert torch.equal(compiled(u, w, sumsq), skinny_glu_reference(u, w, sumsq, 1e-6) * 2)
+    torch.library.opcheck(torch.ops.treespec.skinny_glu.default, (u, w, sumsq, 1e-6))
+    torch.library.opcheck(torch.ops.treespec.skinny_glu.default, (u, w))
 
 
 @pytest.mark.parametrize(
@@ -178,21 +216,24 @@ def test_bad_input_names_the_argument(make, match):
 
 
 @pytest.mark.parametrize(
-    "norm_weight,eps,match",
+    "norm_sumsq,eps,match",
     [
-        (torch.zeros(7), 1e-6, r"norm_weight: expected \[K=8\] \(x's K\)"),
-        (torch.zeros(1, 8), 1e-6, r"norm_weight: expected a 1-d tensor \[K\]"),
-        (torch.zeros(8, dtype=torch.float16), 1e-6, "norm_weight: expected dtype torch.float32"),
-        (torch.zeros(8, device="meta"), 1e-6, "all tensors must be on one device"),
-        (torch.zeros(8), -1e-6, "eps: the norm's epsilon must be a finite float >= 0"),
-        (torch.zeros(8), float("nan"), "eps: the norm's epsilon must be a finite float >= 0"),
-        (torch.zeros(8), float("inf"), "eps: the norm's epsilon must be a finite float >= 0"),
+        (torch.zeros(2), 1e-6, r"norm_sumsq: expected a 2-d tensor \[S, M\]"),
+        (torch.zeros(3, 3), 1e-6, r"norm_sumsq: expected \[S, M=2\] \(x's M\)"),
+        (torch.zeros(0, 2), 1e-6, rf"norm_sumsq: .* 1 <= S <= {MAX_SUMSQ_SLICES}, got \(0, 2\)"),
+        (torch.zeros(MAX_SUMSQ_SLICES + 1, 2), 1e-6, rf"norm_sumsq: .* 1 <= S <= {MAX_SUMSQ_SLICES}"),
+        (torch.zeros(3, 2, dtype=torch.float64), 1e-6, "norm_sumsq: expected dtype torch.float32"),
+        (torch.zeros(2, 3).t(), 1e-6, "norm_sumsq: expected a contiguous"),
+        (torch.zeros(3, 2, device="meta"), 1e-6, "all tensors must be on one device"),
+        (torch.zeros(3, 2), -1e-6, "eps: the norm's epsilon must be a finite float >= 0"),
+        (torch.zeros(3, 2), float("nan"), "eps: the norm's epsilon must be a finite float >= 0"),
+        (torch.zeros(3, 2), float("inf"), "eps: the norm's epsilon must be a finite float >= 0"),
         (None, -1.0, "eps: the norm's epsilon"),
     ],
 )
-def test_bad_norm_arguments_name_the_argument(norm_weight, eps, match):
+def test_bad_row_scale_arguments_name_the_argument(norm_sumsq, eps, match):
     with pytest.raises(ValueError, match=match):
-        torch.ops.treespec.skinny_glu(torch.zeros(2, 8), torch.zeros(4, 8), norm_weight, eps)
+        torch.ops.treespec.skinny_glu(torch.zeros(2, 8), torch.zeros(4, 8), norm_sumsq, eps)
 
 
 def test_switch_and_tiles(monkeypatch):

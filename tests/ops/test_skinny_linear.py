@@ -779,3 +779,181 @@ def test_tma_tiles_in_the_measured_table_and_their_limits(monkeypatch):
     with pytest.raises(ValueError, match="at most 256 elements"):
         _launch_skinny_linear(x, w, None, torch.empty(16, 16), config=choose_skinny_config(16, 16, 512, block_k=512,
                                                                                             tma=True))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
+# skinny_linear_norm_out: the residual epilogue plus the next RMSNorm's inputs (u = round(g * s), sums of s^2
+# a BLOCK_N-wide slice)
+# --------------------------------------------------------------------------------------------------
+
+
+def _strided_norm_weight(N, dtype, device="cpu", seed=0):
+    """The norm weight as a column of a wider table (stride 3, 1e6 elsewhere: a contiguous read shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.full((N, 3), 1e6)
+    table[:, 1] = torch.rand(N, generator=gen) * 2 + 0.25
+    view = table.to(dtype).to(device)[:, 1]
+    assert view.stride() == (3,)
+    return view
+
+
+def _launch_norm_out(x, w, b, r, g, config=None):
+    """The launcher with poisoned outputs: (s, u, sumsq), sumsq sized by the config's (or the default's) slices."""
+    from treecompile.ops.skinny_linear import norm_out_slices
+
+    (M, K), N, d = x.shape, w.shape[0], x.device
+    S = norm_out_slices(M, N, K) if config is None else -(-N // config.block_n)
+    s, u, sq = poisoned((M, N), x.dtype, d), poisoned((M, N), x.dtype, d), poisoned((S, M), torch.float32, d)
+    _launch_skinny_linear(x, w, b, s, config=config, residual=r, norm=(u, sq, g))
+    return s, u, sq
+
+
+def _check_norm_out(s, u, sq, g, block_n):
+    """u is round(g * s) bit for bit; sumsq [cdiv(N, block_n), M] is each slice's sum of s^2 from the stored
+    (rounded) s, and its slices add up to the row's whole sum (a dropped or doubled slice shows)."""
+    M, N = s.shape
+    assert not s.isnan().any() and not u.isnan().any() and not sq.isnan().any(), "unwritten output elements"
+    assert torch.equal(u, (g.float()[None, :] * s.float()).to(s.dtype))
+    assert sq.shape == (-(-N // block_n), M) and sq.dtype == torch.float32
+    s2 = s.double().pow(2)
+    for j in range(sq.shape[0]):
+        torch.testing.assert_close(sq[j].double(), s2[:, j * block_n:(j + 1) * block_n].sum(-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sq.sum(0), s.float().pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("M", [17, 24, 64])
+def test_norm_out_matches_the_reference(M, dtype, bias, kernel_device):
+    """The default config (N = 40: 16-wide slices, a partial last one), exact GEMM data (``_exact_inputs``): s is
+    the residual epilogue's result bit for bit (and the reference's), u and sumsq those of the rounded s; a
+    row-strided residual and a strided norm weight. sumsq's shape is ``norm_out_slices``."""
+    from treecompile.ops.skinny_linear import (
+        norm_out_slices, norm_out_supported, skinny_linear_norm_out_reference,
+    )
+
+    d = kernel_device
+    _skip_bfloat16_in_the_interpreter(dtype, d)
+    N, K = 40, 72
+    assert norm_out_supported(M, N, K) and norm_out_slices(M, N, K) == 3  # 16 + 16 + 8 columns
+    x, w, b = _exact_inputs(M, N, K, dtype, bias, seed=M)
+    y = F.linear(x.double(), w.double(), None if b is None else b.double()).to(dtype)
+    r_cpu, g_cpu = _strided_residual(y, seed=M), _strided_norm_weight(N, dtype, seed=M)
+    want = skinny_linear_norm_out_reference(x, w, b, r_cpu, g_cpu)
+    assert want[2].shape == (3, M)
+    on = (lambda t: None if t is None else t.to(d))
+    s, u, sq = _launch_norm_out(on(x), on(w), on(b), _strided_residual(y, seed=M, device=d),
+                                _strided_norm_weight(N, dtype, d, seed=M))  # fmt: skip
+    s, u, sq = s.cpu(), u.cpu(), sq.cpu()
+    assert torch.equal(s, want[0]) and torch.equal(u, want[1])
+    torch.testing.assert_close(sq, want[2], rtol=1e-6, atol=1e-6)
+    _check_norm_out(s, u, sq, g_cpu, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "M,N,K,block_m,block_n,block_k,tma",
+    [(17, 50, 96, 32, 32, 32, False), (24, 33, 40, 32, 16, 16, False), (64, 70, 130, 64, 64, 64, False),
+     (24, 40, 72, 32, 16, 32, True), (70, 24, 40, 32, 16, 32, False)],
+)  # fmt: skip
+def test_norm_out_keeps_the_residual_epilogues_bits(M, N, K, block_m, block_n, block_k, tma, dtype, kernel_device):
+    """Random data, explicit tiles (a partial last slice, K tails, TMA weight boxes, several row blocks): s equals
+    the plain residual launch of the same tiles bit for bit, u = round(g * s), the slices' sums of s^2 land."""
+    d = kernel_device
+    _skip_bfloat16_in_the_interpreter(dtype, d)
+    x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, N, K, dtype, M % 2 == 0, seed=M + N + K))
+    r = (torch.randn(M, N + 4, generator=torch.Generator().manual_seed(N)) * 4).to(dtype).to(d)[:, :N]
+    g = _strided_norm_weight(N, dtype, d, seed=K)
+    cfg = choose_skinny_config(M, N, K, block_m=block_m, block_n=block_n, block_k=block_k, tma=tma)
+    plain = poisoned((M, N), dtype, d)
+    _launch_skinny_linear(x, w, b, plain, config=cfg, residual=r)
+    s, u, sq = _launch_norm_out(x, w, b, r, g, config=cfg)
+    assert torch.equal(s, plain)
+    _check_norm_out(s.cpu(), u.cpu(), sq.cpu(), g.cpu(), block_n)
+
+
+def test_norm_out_op_on_cpu_is_the_reference_and_traces():
+    """The op: on the CPU the reference; its fake gives [M, N], [M, N], [S, M] float32 (S = norm_out_slices);
+    torch.compile(fullgraph, aot_eager) traces it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from treecompile.ops.skinny_linear import norm_out_slices, skinny_linear_norm_out_reference
+
+    M, N, K = 20, 40, 24
+    x, w, b = _inputs(M, N, K, torch.float32, True)
+    r = torch.randn(M, N + 3)[:, :N]
+    g = torch.rand(N * 2)[::2]
+    op = torch.ops.treespec.skinny_linear_norm_out
+    assert [a.name for a in op.default._schema.arguments] == ["x", "weight", "bias", "constant_weight", "residual",
+                                                              "norm_weight"]  # fmt: skip
+    got = op(x, w, b, False, r, g)
+    want = skinny_linear_norm_out_reference(x, w, b, r, g)
+    assert all(torch.equal(a, c) for a, c in zip(got, want))
+    assert torch.equal(got[0], torch.ops.treespec.skinny_linear(x, w, b, False, r))
+    S = norm_out_slices(M, N, K)
+    assert got[2].shape == (S, M) and S == 3
+    with FakeTensorMode() as mode:
+        fakes = op(*(mode.from_tensor(t) for t in (x, w, b)), False, mode.from_tensor(r), mode.from_tensor(g))
+        assert [tuple(t.shape) for t in fakes] == [(M, N), (M, N), (S, M)]
+        assert [t.dtype for t in fakes] == [torch.float32] * 3
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: [t * 2 for t in op(*a)], backend="aot_eager", fullgraph=True)
+    out = compiled(x, w, None, True, r, g)
+    want = skinny_linear_norm_out_reference(x, w, None, r, g)
+    assert all(torch.equal(a, c * 2) for a, c in zip(out, want))
+
+
+def test_norm_out_refuses_gemv_and_split_k_configs():
+    """Only the MMA kernel with split_k == 1 has the epilogue: a measured gemv entry (<= 16 rows) or a split-K
+    entry makes the op (and norm_out_supported) refuse, naming the reason; so does a forced config at the
+    launcher."""
+    from treecompile.ops import skinny_linear
+
+    op = torch.ops.treespec.skinny_linear_norm_out
+    N, K = 96, 512
+
+    def args(M):
+        x, w, _ = _inputs(M, N, K, torch.float32, False)
+        return x, w, None, False, torch.zeros(M, N), torch.ones(N)
+
+    assert skinny_linear.norm_out_supported(8, N, K)  # unmeasured: the static MMA tiles serve even 8 rows
+    row = dict(M=8, N=N, K=K, cublas_us=10.0, best=dict(block_n=8, block_k=128, warps=4, stages=3, us=5.0,
+                                                       kind="gemv_pdl"))  # fmt: skip
+    assert skinny_linear.register_tiles([row]) == 1
+    assert not skinny_linear.norm_out_supported(8, N, K)
+    with pytest.raises(ValueError, match="not supported for .*gemv kernel"):
+        op(*args(8))
+    split = dict(M=64, N=N, K=K, cublas_us=10.0, best=dict(block_n=32, block_k=64, warps=4, stages=3, us=8.0,
+                                                          split_k=2))  # fmt: skip
+    assert skinny_linear.register_tiles([split]) == 1
+    assert not skinny_linear.norm_out_supported(64, N, K) and skinny_linear.norm_out_supported(24, 40, 72)
+    with pytest.raises(ValueError, match="split_k=2"):
+        op(*args(64))
+    x, w, _ = _inputs(4, 16, 16, torch.float32, False)
+    norm = (torch.empty(4, 16), torch.empty(2, 4), torch.ones(16))
+    for cfg, match in ((gemv_config(4, 16, 16), "gemv kernel"), (choose_skinny_config(4, 16, 16, split_k=2),
+                                                                  "split_k=2")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            _launch_skinny_linear(x, w, None, torch.empty(4, 16), config=cfg, residual=torch.zeros(4, 16), norm=norm)
+    with pytest.raises(ValueError, match="sumsq: expected a contiguous float32 \\[S=1, M=4\\]"):
+        _launch_skinny_linear(x, w, None, torch.empty(4, 16), config=choose_skinny_config(4, 16, 16),
+                              residual=torch.zeros(4, 16), norm=norm)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "residual,norm_weight,match",
+    [
+        (None, torch.ones(4), "residual: required"),
+        (torch.zeros(2, 5), torch.ones(4), r"residual: expected \[M=2, N=4\]"),
+        (torch.zeros(2, 4, dtype=torch.float16), torch.ones(4), "residual: expected dtype torch.float32"),
+        (torch.zeros(4, 2).t(), torch.ones(4), "residual: the last dim must have stride 1"),
+        (torch.zeros(2, 4), torch.ones(5), r"norm_weight: expected \[N=4\]"),
+        (torch.zeros(2, 4), torch.ones(4, 1), "norm_weight: expected a 1-d"),
+        (torch.zeros(2, 4), torch.ones(4, dtype=torch.float16), "norm_weight: expected dtype torch.float32"),
+        (torch.zeros(2, 4), torch.ones(4, device="meta"), "norm_weight on meta"),
+    ],
+)  # fmt: skip
+def test_norm_out_bad_input_names_the_argument(residual, norm_weight, match):
+    with pytest.raises(ValueError, match=match):
+        torch.ops.treespec.skinny_linear_norm_out(torch.zeros(2, 8), torch.zeros(4, 8), None, False, residual,
+                                                  norm_weight)  # fmt: skip

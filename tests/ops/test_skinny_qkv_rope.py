@@ -1,10 +1,11 @@
 """treespec::skinny_qkv_rope: the Triton kernel (interpreter on CPU, the device on GPU) against the float64 unfused
 q/k/v projection + HF rotary embedding, over row counts 1..64, GQA and MHA head counts, head dims whose half is one
-or several programs, K not a multiple of the step, strided inputs; the RMSNorm prologue against HF's norm in
-float64 (rows of very different magnitudes, a norm weight far from ones, with and without a bias that must not be
-scaled); the op's CPU path (HF's norm exactly), its tiles and its boundary checks. Outputs are poisoned with NaN
-so an unwritten element fails. bfloat16 runs on the GPU only (the interpreter's tl.dot misreads bfloat16
-operands)."""
+or several programs, K not a multiple of the step, strided inputs; the RMSNorm row scale (the producer's
+``round(norm_weight * s)`` and per-slice sums of squares in, the sums scaled by the row's rsqrt after the loop)
+against HF's norm in float64 (rows of very different magnitudes, a norm weight far from ones, 1, 3 and 128 slices,
+with and without a bias that must not be scaled; a wrong sum of squares fails); the op's CPU path and tracing, its
+tiles and its boundary checks. Outputs are poisoned with NaN so an unwritten element fails. bfloat16 runs on the GPU
+only (the interpreter's tl.dot misreads bfloat16 operands)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from conftest import poisoned
 from treecompile.ops.skinny_qkv_rope import (
     MAX_ROWS, ROPE_ENV, TILES_ENV, _launch_skinny_qkv_rope, rope_config, rope_wanted, skinny_qkv_rope_reference,
 )  # fmt: skip
-from treecompile.ops.skinny_glu import rmsnorm_reference
+from treecompile.ops.skinny_glu import MAX_SUMSQ_SLICES
+from test_skinny_glu import _hf_norm_float64, _producer, _row_scale_inputs  # the norm inputs both ops share
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,22 +51,6 @@ def _hf_float64(x, w, cos, sin, Hq, Hkv, bias=None):
         return (a * cos[:, None] + rot * sin[:, None]).reshape(M, H * D)
 
     return rope(q, Hq), rope(k, Hkv), v
-
-
-def _norm_inputs(M, K, dtype, seed, scales=None):
-    """The norm's input rows at magnitudes ``scales`` (default 1/16 to 64: a dropped or misplaced per-row scale r
-    fails) and a norm weight of varied values around 1, some negative (a dropped norm weight fails)."""
-    gen = torch.Generator().manual_seed(seed)
-    scales = 2.0 ** (torch.arange(M) % 11 - 4.0) if scales is None else scales
-    x = torch.randn(M, K, generator=gen) * scales[:, None]
-    norm_weight = 1 + 0.6 * torch.randn(K, generator=gen)
-    return x.to(dtype), norm_weight.to(dtype)
-
-
-def _rmsnorm_float64(x, norm_weight, eps):
-    """HF's LlamaRMSNorm written out in float64 (no rounding anywhere): the float64 oracle's norm."""
-    s = x.cpu().double()
-    return norm_weight.cpu().double() * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _outputs(M, Hq, Hkv, D, dtype, d):
@@ -152,108 +138,134 @@ def test_op_on_cpu_is_the_reference_and_traces():
     assert torch.equal(q16, (a * c16.float()[:, None] + rot * s16.float()[:, None]).half().reshape(20, 16))
 
 
+ROW_SCALE_SHAPES = [(17, 72, 4, 2, 32, (32, 16, 32, 4, 2)), (20, 96, 4, 4, 64, (32, 16, 32, 4, 3)),
+                    (64, 200, 8, 2, 64, (64, 32, 16, 4, 2))]  # fmt: skip
+
+
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("slices", [1, 3, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16], ids=str)
-@pytest.mark.parametrize(
-    "M,K,Hq,Hkv,D,config",
-    [(1, 64, 2, 1, 32, (16, 16, 32, 4, 2)), (17, 72, 4, 2, 32, (32, 16, 32, 4, 2)),
-     (20, 96, 4, 4, 64, (32, 16, 32, 4, 3)), (64, 200, 8, 2, 64, (64, 32, 16, 4, 2)), (33, 64, 6, 2, 64, None)],
-)  # fmt: skip
-def test_norm_prologue_matches_float64_hf_norm(dtype, M, K, Hq, Hkv, D, config, with_bias, kernel_device):
-    """With norm_weight the q/k/v input is HF's RMSNorm of x: the row's sum of squares over the same K steps (a
-    tail step, K = 72 or 200 past the last 32 / 16, adds nothing), the accumulators scaled by r before the bias,
-    the roundings and the rotation. Against the float64 oracle a little looser than without the norm at 16 bits
-    (the kernel rounds norm_weight * x to x's dtype); against the op's HF-rounding reference, float16, one
-    rounding apart."""
+@pytest.mark.parametrize("M,K,Hq,Hkv,D,config", ROW_SCALE_SHAPES)
+def test_row_scale_matches_float64_hf_norm(dtype, M, K, Hq, Hkv, D, config, slices, with_bias, kernel_device):
+    """Given u = round(g * s) and s's per-slice sums of squares, the op is the q/k/v projection + rotation of HF's
+    RMSNorm of s: the sums scaled by r = rsqrt(sumsq.sum(0) / K + eps) before the bias (unscaled), the roundings
+    and the rotation (K = 72 / 200: a tail step; 128 slices: S_P2 = 128, some slices empty). Against the float64
+    oracle a little looser than without the norm at 16 bits (g * s is rounded once); against the op's reference
+    (the same numerics, the CPU path) as tight as the plain kernel."""
     d = kernel_device
     _, w, cos, sin = _inputs(M, K, Hq, Hkv, D, dtype, seed=M + K + D)
-    x, norm_weight = _norm_inputs(M, K, dtype, seed=M * K)
+    s, g, u, sumsq = _row_scale_inputs(M, K, dtype, seed=M * K + slices, slices=slices)
     bias = None
     if with_bias:
         bias = torch.randn((Hq + 2 * Hkv) * D, generator=torch.Generator().manual_seed(M)).to(dtype).to(d)
-    x, w, cos, sin, norm_weight = (t.to(d) for t in (x, w, cos, sin, norm_weight))
+    w, cos, sin, u, sumsq = (t.to(d) for t in (w, cos, sin, u, sumsq))
     q, k, v = _outputs(M, Hq, Hkv, D, dtype, d)
-    _launch_skinny_qkv_rope(x, w, bias, cos, sin, q, k, v, config, norm_weight, 1e-5)
+    _launch_skinny_qkv_rope(u, w, bias, cos, sin, q, k, v, config, sumsq, 1e-5)
     for name, got in (("q", q), ("k", k), ("v", v)):
         assert not got.isnan().any(), f"unwritten {name} elements"
     tol = {torch.float32: 1e-5, torch.float16: 3e-2, torch.bfloat16: 8e-2}[dtype]
-    for got, want in zip((q, k, v), _hf_float64(_rmsnorm_float64(x, norm_weight, 1e-5), w, cos, sin, Hq, Hkv, bias)):
+    for got, want in zip((q, k, v), _hf_float64(_hf_norm_float64(s, g, 1e-5), w, cos, sin, Hq, Hkv, bias)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
-    if dtype == torch.float16:  # HF's rounding (norm_weight * round(x * r)) against the kernel's one rounding
-        hf = skinny_qkv_rope_reference(*(t if t is None else t.cpu() for t in (x, w, bias, cos, sin)), Hq, Hkv,
-                                       norm_weight.cpu(), 1e-5)  # fmt: skip
-        for got, want in zip((q, k, v), hf):
-            torch.testing.assert_close(got.cpu().float(), want.float(), rtol=4e-3, atol=4e-3)
+    ref_tol = 2e-3 if dtype == torch.float16 else tol
+    cpu = [t if t is None else t.cpu() for t in (u, w, bias, cos, sin)]
+    for got, want in zip((q, k, v), skinny_qkv_rope_reference(*cpu, Hq, Hkv, sumsq.cpu(), 1e-5)):
+        torch.testing.assert_close(got.cpu(), want, rtol=ref_tol, atol=ref_tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_norm_scale_applies_to_the_sums_not_the_bias(dtype, kernel_device):
-    """linear(rmsnorm(x)) = r * (W @ (norm_weight * x)) + bias: rows of magnitude 1/64 .. 1/8 (r = 8 .. 64) under
-    a bias of magnitude ~20, so scaling the bias by r (or adding it before the scale) is off by (r - 1) |bias|,
-    hundreds, where the bias-sized outputs' tolerance is ~0.6 in float16."""
+def test_row_scale_applies_to_the_sums_not_the_bias(dtype, kernel_device):
+    """linear(rmsnorm(s)) = r * (W @ (g * s)) + bias: rows of magnitude 1/64 .. 1/8 (r = 8 .. 64) under a bias of
+    magnitude ~20, so scaling the bias by r (or adding it before the scale) is off by (r - 1) |bias|, hundreds,
+    where the bias-sized outputs' tolerance is ~0.6 in float16: the oracle with a scaled bias is checked to be
+    that far from the right one, so a kernel that scaled the bias would fail."""
     d = kernel_device
     M, K, Hq, Hkv, D = 24, 72, 4, 2, 32
     _, w, cos, sin = _inputs(M, K, Hq, Hkv, D, dtype, seed=13)
-    x, norm_weight = _norm_inputs(M, K, dtype, seed=13, scales=2.0 ** -(6 - torch.arange(M) % 4.0))
+    s, g, u, sumsq = _row_scale_inputs(M, K, dtype, seed=13, slices=3, scales=2.0 ** -(6 - torch.arange(M) % 4.0))
     bias = (20 * torch.randn(2 * (Hq + 2 * Hkv) * D, generator=torch.Generator().manual_seed(3))).to(dtype)[::2]
-    x, w, cos, sin, norm_weight, bias = (t.to(d) for t in (x, w, cos, sin, norm_weight, bias))
+    w, cos, sin, u, sumsq, bias = (t.to(d) for t in (w, cos, sin, u, sumsq, bias))
     q, k, v = _outputs(M, Hq, Hkv, D, dtype, d)
-    _launch_skinny_qkv_rope(x, w, bias, cos, sin, q, k, v, (32, 16, 32, 4, 2), norm_weight, 1e-6)
-    want = _hf_float64(_rmsnorm_float64(x, norm_weight, 1e-6), w, cos, sin, Hq, Hkv, bias)
+    _launch_skinny_qkv_rope(u, w, bias, cos, sin, q, k, v, (32, 16, 32, 4, 2), sumsq, 1e-6)
+    normed = _hf_norm_float64(s, g, 1e-6)
+    want = _hf_float64(normed, w, cos, sin, Hq, Hkv, bias)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for got, ref in zip((q, k, v), want):  # relative to the bias-dominated outputs: a few units of 1e-3 in float16
         torch.testing.assert_close(got.cpu().double(), ref, rtol=tol, atol=tol)
-    unscaled = _hf_float64(_rmsnorm_float64(x, norm_weight, 1e-6), w, cos, sin, Hq, Hkv)
-    assert (want[2] - unscaled[2]).abs().max() > 10  # the bias matters at these magnitudes
+    r = torch.rsqrt(s.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    scaled_bias = (normed @ w.cpu().double().T + r * bias.cpu().double()).split([Hq * D, Hkv * D, Hkv * D], -1)[2]
+    assert (scaled_bias - want[2]).abs().max() > 100  # a scaled bias would miss by far more than the tolerance
+    assert not torch.allclose(v.cpu().double(), scaled_bias, rtol=tol, atol=tol)
 
 
-def test_norm_prologue_with_large_rows_strided_inputs_and_eps(kernel_device):
-    """Rows of magnitude 64 .. 1024 (a dropped r is off by that factor), x as a column range of a wider table and
-    the norm weight as a column of another (stride 3), read with their strides; eps enters the scale (a row of
-    zeros gives zeros with eps > 0, not NaN)."""
+def test_a_wrong_sum_of_squares_fails_the_comparison(kernel_device):
+    """The comparisons above have teeth: one of three slices dropped (a producer that lost a slice), or the sums
+    taken of u = g * s instead of s, moves r by far more than the tolerance."""
+    d = kernel_device
+    M, K, Hq, Hkv, D = 20, 72, 2, 1, 32
+    _, w, cos, sin = _inputs(M, K, Hq, Hkv, D, torch.float32, seed=3)
+    s, g, u, sumsq = _row_scale_inputs(M, K, torch.float32, seed=3, slices=3)
+    want = _hf_float64(_hf_norm_float64(s, g, 1e-5), w, cos, sin, Hq, Hkv)
+    w, cos, sin, u = (t.to(d) for t in (w, cos, sin, u))
+    for bad in (sumsq[1:].contiguous(), _producer(u.cpu(), torch.ones(K), 3)[1]):
+        q, k, v = _outputs(M, Hq, Hkv, D, torch.float32, d)
+        _launch_skinny_qkv_rope(u, w, None, cos, sin, q, k, v, (32, 16, 32, 4, 2), bad.to(d), 1e-5)
+        for got, ref in zip((q, k, v), want):
+            assert not torch.allclose(got.cpu().double(), ref, rtol=1e-3, atol=1e-3)
+    q, k, v = _outputs(M, Hq, Hkv, D, torch.float32, d)
+    _launch_skinny_qkv_rope(u, w, None, cos, sin, q, k, v, (32, 16, 32, 4, 2), sumsq.to(d), 1e-5)
+    for got, ref in zip((q, k, v), want):
+        torch.testing.assert_close(got.cpu().double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_row_scale_with_large_rows_strided_inputs_and_eps(kernel_device):
+    """Rows of magnitude 64 .. 1024 (a dropped r is off by that factor), x (= u) as a column range of a wider
+    table, read with its row stride; eps enters the scale (a row of zeros gives zeros with eps > 0, not NaN)."""
     d = kernel_device
     M, K, Hq, Hkv, D = 20, 72, 2, 1, 32
     _, w, cos, sin = (t.to(d) for t in _inputs(M, K, Hq, Hkv, D, torch.float32, seed=6))
-    x, norm_weight = _norm_inputs(M, K, torch.float32, seed=6, scales=2.0 ** (6 + torch.arange(M) % 5.0))
-    x[5] = 0.0
+    s, g, _, _ = _row_scale_inputs(M, K, torch.float32, seed=6, slices=1, scales=2.0 ** (6 + torch.arange(M) % 5.0))
+    s[5] = 0.0
+    u, sumsq = _producer(s, g, 3)
     wide_x = torch.zeros(M, K + 24, device=d)
-    wide_x[:, 8 : 8 + K] = x.to(d)
-    table = torch.zeros(K, 3, device=d)
-    table[:, 1] = norm_weight.to(d)
+    wide_x[:, 8 : 8 + K] = u.to(d)
     for eps in (1e-6, 0.5):
         q, k, v = _outputs(M, Hq, Hkv, D, torch.float32, d)
-        _launch_skinny_qkv_rope(wide_x[:, 8 : 8 + K], w, None, cos, sin, q, k, v, (32, 16, 32, 4, 2), table[:, 1], eps)
-        for got, want in zip((q, k, v), _hf_float64(_rmsnorm_float64(x, norm_weight, eps), w, cos, sin, Hq, Hkv)):
+        _launch_skinny_qkv_rope(wide_x[:, 8 : 8 + K], w, None, cos, sin, q, k, v, (32, 16, 32, 4, 2), sumsq.to(d), eps)
+        for got, want in zip((q, k, v), _hf_float64(_hf_norm_float64(s, g, eps), w, cos, sin, Hq, Hkv)):
             torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
         assert not q[5].any() and not k[5].any() and not v[5].any()
 
 
-def test_norm_op_on_cpu_is_hf_exactly_and_traces():
-    """The CPU path with norm_weight is HF's LlamaRMSNorm (its float32 statistics whatever x's dtype, float64
-    included, and its two roundings) followed by the reference: bit for bit, so float64 lossless runs stay
-    lossless; the op traces with the new arguments (bias or not) and passes opcheck."""
+def test_row_scale_op_on_cpu_and_traces():
+    """The CPU path with norm_sumsq: the GEMM's sums in float32 (float64 for float64 x) scaled by the float32 r,
+    plus the unscaled bias, rounded, then the rotation, bit for bit as written out here; within one 16-bit
+    rounding of HF's LlamaRMSNorm followed by the unfused graph; the op traces with the new arguments (bias or
+    not) and passes opcheck."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     M, K, Hq, Hkv, D = 24, 40, 4, 2, 8
-    for dtype in (torch.float64, torch.float32, torch.float16):
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         _, w, cos, sin = _inputs(M, K, Hq, Hkv, D, dtype, seed=4)
-        x, norm_weight = _norm_inputs(M, K, dtype, seed=4)
+        s, g, u, sumsq = _row_scale_inputs(M, K, dtype, seed=4, slices=3)
         bias = torch.randn((Hq + 2 * Hkv) * D, generator=torch.Generator().manual_seed(1)).to(dtype)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        r = torch.rsqrt(sumsq.sum(0) / K + 1e-6)[:, None].to(acc)
         hf = LlamaRMSNorm(K, eps=1e-6).to(dtype)
         with torch.no_grad():
-            hf.weight.copy_(norm_weight)
-            normed = hf(x)
-        assert torch.equal(rmsnorm_reference(x, norm_weight, 1e-6), normed), dtype
+            hf.weight.copy_(g)
+            normed = hf(s)
         for b in (None, bias):
-            got = torch.ops.treespec.skinny_qkv_rope(x, w, b, cos, sin, Hq, Hkv, norm_weight, 1e-6)
-            for g, want in zip(got, skinny_qkv_rope_reference(normed, w, b, cos, sin, Hq, Hkv)):
-                assert torch.equal(g, want), dtype
+            sums = (u.to(acc) @ w.to(acc).T) * r + (0 if b is None else b.to(acc))
+            eye = torch.eye(sums.shape[1], dtype=dtype)  # an identity GEMM (exact): the reference's rotation alone
+            want = skinny_qkv_rope_reference(sums.to(dtype), eye, None, cos, sin, Hq, Hkv)
+            got = torch.ops.treespec.skinny_qkv_rope(u, w, b, cos, sin, Hq, Hkv, sumsq, 1e-6)
+            tol = {torch.float64: 1e-6, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+            for gt, wt, h in zip(got, want, skinny_qkv_rope_reference(normed, w, b, cos, sin, Hq, Hkv)):
+                assert torch.equal(gt, wt), dtype
+                torch.testing.assert_close(gt.double(), h.double(), rtol=tol, atol=tol)
     _, w, cos, sin = _inputs(M, K, Hq, Hkv, D, torch.float64, seed=4)
-    x, norm_weight = _norm_inputs(M, K, torch.float64, seed=4)
+    _, _, u, sumsq = _row_scale_inputs(M, K, torch.float64, seed=4, slices=3)
     bias = torch.randn((Hq + 2 * Hkv) * D, generator=torch.Generator().manual_seed(1)).double()
-    for g, want in zip(torch.ops.treespec.skinny_qkv_rope(x, w, bias, cos, sin, Hq, Hkv, norm_weight, 1e-6),
-                       _hf_float64(_rmsnorm_float64(x, norm_weight, 1e-6), w, cos, sin, Hq, Hkv, bias)):  # fmt: skip
-        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)  # float64 but for HF's float32 norm (~1e-7 apart)
 
     def f(a, b, c, s, n, bb):
         q, k, v = torch.ops.treespec.skinny_qkv_rope(a, b, bb, c, s, Hq, Hkv, n, 1e-6)
@@ -261,12 +273,12 @@ def test_norm_op_on_cpu_is_hf_exactly_and_traces():
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     for bb in (None, bias):
-        want = skinny_qkv_rope_reference(x, w, bb, cos, sin, Hq, Hkv, norm_weight, 1e-6)
-        for g, ref in zip(compiled(x, w, cos, sin, norm_weight, bb), (want[0] * 2, want[1], want[2])):
+        want = skinny_qkv_rope_reference(u, w, bb, cos, sin, Hq, Hkv, sumsq, 1e-6)
+        for g, ref in zip(compiled(u, w, cos, sin, sumsq, bb), (want[0] * 2, want[1], want[2])):
             assert torch.equal(g, ref)
     op = torch.ops.treespec.skinny_qkv_rope.default
-    torch.library.opcheck(op, (x, w, bias, cos, sin, Hq, Hkv, norm_weight, 1e-6))
-    torch.library.opcheck(op, (x, w, None, cos, sin, Hq, Hkv))
+    torch.library.opcheck(op, (u, w, bias, cos, sin, Hq, Hkv, sumsq, 1e-6))
+    torch.library.opcheck(op, (u, w, None, cos, sin, Hq, Hkv))
 
 
 def _args(M=2, K=8, Hq=2, Hkv=1, D=4, **over):
@@ -305,23 +317,26 @@ def test_bad_input_names_the_argument(over, match):
 
 
 @pytest.mark.parametrize(
-    "norm_weight,eps,match",
+    "norm_sumsq,eps,match",
     [
-        (torch.zeros(7), 1e-6, r"norm_weight: expected \[K=8\] \(x's K\)"),
-        (torch.zeros(1, 8), 1e-6, r"norm_weight: expected a 1-d tensor \[K\]"),
-        (torch.zeros(8, dtype=torch.float16), 1e-6, "norm_weight: expected dtype torch.float32"),
-        (torch.zeros(8, device="meta"), 1e-6, "all tensors must be on one device"),
-        (torch.zeros(8), -1e-6, "eps: the norm's epsilon must be a finite float >= 0"),
-        (torch.zeros(8), float("nan"), "eps: the norm's epsilon must be a finite float >= 0"),
-        (torch.zeros(8), float("inf"), "eps: the norm's epsilon must be a finite float >= 0"),
+        (torch.zeros(2), 1e-6, r"norm_sumsq: expected a 2-d tensor \[S, M\]"),
+        (torch.zeros(3, 3), 1e-6, r"norm_sumsq: expected \[S, M=2\] \(x's M\)"),
+        (torch.zeros(0, 2), 1e-6, rf"norm_sumsq: .* 1 <= S <= {MAX_SUMSQ_SLICES}, got \(0, 2\)"),
+        (torch.zeros(MAX_SUMSQ_SLICES + 1, 2), 1e-6, rf"norm_sumsq: .* 1 <= S <= {MAX_SUMSQ_SLICES}"),
+        (torch.zeros(3, 2, dtype=torch.float64), 1e-6, "norm_sumsq: expected dtype torch.float32"),
+        (torch.zeros(2, 3).t(), 1e-6, "norm_sumsq: expected a contiguous"),
+        (torch.zeros(3, 2, device="meta"), 1e-6, "all tensors must be on one device"),
+        (torch.zeros(3, 2), -1e-6, "eps: the norm's epsilon must be a finite float >= 0"),
+        (torch.zeros(3, 2), float("nan"), "eps: the norm's epsilon must be a finite float >= 0"),
+        (torch.zeros(3, 2), float("inf"), "eps: the norm's epsilon must be a finite float >= 0"),
         (None, -1.0, "eps: the norm's epsilon"),
     ],
 )
-def test_bad_norm_arguments_name_the_argument(norm_weight, eps, match):
+def test_bad_row_scale_arguments_name_the_argument(norm_sumsq, eps, match):
     a = _args()
     args = (a["x"], a["w"], a["b"], a["cos"], a["sin"], a["Hq"], a["Hkv"])
     with pytest.raises(ValueError, match=match):
-        torch.ops.treespec.skinny_qkv_rope(*args, norm_weight, eps)
+        torch.ops.treespec.skinny_qkv_rope(*args, norm_sumsq, eps)
 
 
 def test_switch_and_tiles(monkeypatch):

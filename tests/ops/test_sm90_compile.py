@@ -52,29 +52,37 @@ def _cases() -> dict:
             "_tree_attention_kernels", "cascade_merge_kernel", dict(D=128, BLOCK_S=16, ROWS=rows, USE_PDL=pdl),
             dict(o_part="*fp32", lse_part="*fp32", out="*bf16"), ("num_rows", "NS"), 1 if rows == 1 else 4, 3,
         )  # fmt: skip
-    for split_k, l2, tma, res in ((1, 0, False, False), (4, 0, False, False), (1, 4, False, False),
-                                  (1, 0, True, False), (4, 0, True, False), (1, 0, False, True), (4, 0, False, True)):
-        const = dict(HAS_BIAS=True, HAS_RES=res, EVEN_K=True, TMA=tma, PREC="tf32", USE_PDL=True, BLOCK_M=64,
-                     BLOCK_N=32, BLOCK_K=128, SPLIT_K=split_k, L2_LINES=l2 * 2, LINE_ELEMS=64)  # fmt: skip
-        types = dict(SKINNY_TYPES, w_desc="tensordesc<bf16[32,128]>" if tma else "*bf16")
-        cases[f"skinny-mma-split{split_k}{'-l2' if l2 else ''}{'-tma' if tma else ''}{'-res' if res else ''}"] = (
-            "skinny_linear", "_skinny_linear_kernel", const, types, ("M", "s_b", "s_rm"), 4, 4,
+    # "-res": the residual epilogue; "-normout": with it, norm_weight * s and the partial sums of s^2 stored too
+    # (skinny_linear_norm_out, passes/fuse_residual_norm.py)
+    for split_k, l2, tma, res, norm_out in (
+        (1, 0, False, False, False), (4, 0, False, False, False), (1, 4, False, False, False),
+        (1, 0, True, False, False), (4, 0, True, False, False), (1, 0, False, True, False), (4, 0, False, True, False),
+        (1, 0, False, True, True),
+    ):  # fmt: skip
+        const = dict(HAS_BIAS=True, HAS_RES=res, NORM_OUT=norm_out, EVEN_K=True, TMA=tma, PREC="tf32", USE_PDL=True,
+                     BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, SPLIT_K=split_k, L2_LINES=l2 * 2, LINE_ELEMS=64)  # fmt: skip
+        types = dict(SKINNY_TYPES, w_desc="tensordesc<bf16[32,128]>" if tma else "*bf16", u="*bf16", sq="*fp32",
+                     g="*bf16")  # fmt: skip
+        name = f"skinny-mma-split{split_k}{'-l2' if l2 else ''}{'-tma' if tma else ''}{'-res' if res else ''}"
+        cases[name + ("-normout" if norm_out else "")] = (
+            "skinny_linear", "_skinny_linear_kernel", const, types, ("M", "s_b", "s_rm", "s_g"), 4, 4,
         )  # fmt: skip
-    # the gated gate/up GEMM at the 8B verify's tiles (gate/up's 128-wide slice, halved); "norm": with the RMSNorm
-    # prologue (passes/fuse_residual_norm.py)
+    # the gated gate/up GEMM at the 8B verify's tiles (gate/up's 128-wide slice, halved); "norm": with the row-scale
+    # epilogue of passes/fuse_residual_norm.py (128 partial sums a row: the 8B o / down producers' 32-wide slices)
     for even, norm in ((True, False), (False, False), (True, True)):
-        const = dict(EVEN_K=even, NORM=norm, PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
-        types = dict(x="*bf16", w="*bf16", out="*bf16", nw="*bf16", eps="fp32")
+        const = dict(EVEN_K=even, ROW_SCALE=norm, S_P2=128 if norm else 1, PREC="tf32", USE_PDL=True, BLOCK_M=64,
+                     BLOCK_N=64, BLOCK_K=128)  # fmt: skip
+        types = dict(x="*bf16", w="*bf16", out="*bf16", ss="*fp32", eps="fp32")
         cases[f"skinny-glu-{'even' if even else 'tail'}{'-norm' if norm else ''}"] = (
-            "skinny_glu", "_skinny_glu_kernel", const, types, ("M", "s_nw"), 4, 3,
+            "skinny_glu", "_skinny_glu_kernel", const, types, ("M", "S"), 4, 3,
         )  # fmt: skip
     for even, norm in ((True, False), (False, False), (True, True)):  # q/k/v + rotary embedding, 8B verify tiles
-        const = dict(HAS_BIAS=not even, NORM=norm, D=128, PER_HEAD=2, EVEN_K=even, PREC="tf32", USE_PDL=True,
-                     BLOCK_M=64, BLOCK_N=32, BLOCK_K=128)  # fmt: skip
+        const = dict(HAS_BIAS=not even, ROW_SCALE=norm, S_P2=128 if norm else 1, D=128, PER_HEAD=2, EVEN_K=even,
+                     PREC="tf32", USE_PDL=True, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128)  # fmt: skip
         types = dict(x="*bf16", w="*bf16", b="*bf16", cos="*bf16", sin="*bf16", q="*bf16", k="*bf16", v="*bf16",
-                     nw="*bf16", eps="fp32")  # fmt: skip
+                     ss="*fp32", eps="fp32")  # fmt: skip
         cases[f"skinny-qkv-rope-{'even' if even else 'tail'}{'-norm' if norm else ''}"] = (
-            "skinny_qkv_rope", "_skinny_qkv_rope_kernel", const, types, ("M", "Hq", "Hkv", "s_b", "s_nw"), 4, 4,
+            "skinny_qkv_rope", "_skinny_qkv_rope_kernel", const, types, ("M", "Hq", "Hkv", "s_b", "S"), 4, 4,
         )  # fmt: skip
     for split_k, prefetch, l2, pipeline in ((1, True, 0, False), (4, True, 0, False), (4, False, 0, False),
                                             (1, True, 2, False), (1, False, 0, True), (4, False, 0, True)):
@@ -217,7 +225,7 @@ def test_cascade_merge_compiles(report, rows):
 @pytest.mark.parametrize("k_tail", ["even", "tail", "even-norm"])
 def test_skinny_glu_kernel_compiles_pipelined(report, k_tail):
     """The gated GEMM streams x and both weight row ranges through async copies (three loads a K step), with
-    the RMSNorm prologue too."""
+    the row-scale epilogue too."""
     entry = _entry(report, f"skinny-glu-{k_tail}")
     assert entry["async_copies"] >= 3 and entry["pdl_waits"] == 1, entry
 
@@ -229,7 +237,7 @@ def test_skinny_qkv_rope_kernel_compiles_pipelined(report, k_tail):
     assert entry["async_copies"] >= 3 and entry["pdl_waits"] == 1, entry
 
 
-@pytest.mark.parametrize("split_k,res", [(1, ""), (4, ""), (1, "-res"), (4, "-res")])
+@pytest.mark.parametrize("split_k,res", [(1, ""), (4, ""), (1, "-res"), (4, "-res"), (1, "-res-normout")])
 def test_skinny_mma_kernel_compiles_pipelined_with_split_k(report, split_k, res):
     """The 64-row MMA tiles (8B verify shapes) stream the weight through an async-copy pipeline; with split-K
     the counter's atomics (acq_rel, gpu scope) and the .cg reloads compile for sm_90; the residual epilogue too."""

@@ -1,6 +1,6 @@
-"""fuse_residual_norm: a verify's RMSNorm goes into the prologue of the GEMM after it (skinny_glu, skinny_qkv_rope)
-and the residual add before it into the epilogue of the skinny_linear that produced it; everything the pass must
-not touch stays as it was.
+"""fuse_residual_norm: a verify's residual add and RMSNorm go into the epilogue of the skinny_linear that produced
+the norm's input (skinny_linear_norm_out: s, norm_weight * s, partial sums of s^2) and the GEMM after it (skinny_glu,
+skinny_qkv_rope) scales its sums by the row's rsqrt; everything the pass must not touch stays as it was.
 
 The ops' Triton paths are CUDA-only; here the pass (and the passes before it) are told CPU counts too, so the
 rewrite, the cases it leaves alone and the values are checked on this machine: on a graph of the ops themselves,
@@ -29,6 +29,7 @@ OFF = SimpleNamespace(binding=SimpleNamespace(skinny_linears=False))
 GLU = torch.ops.treespec.skinny_glu.default
 ROPE = torch.ops.treespec.skinny_qkv_rope.default
 LINEAR = torch.ops.treespec.skinny_linear.default
+NORM_OUT = torch.ops.treespec.skinny_linear_norm_out.default
 B, T, H, I = 2, 12, 32, 48
 
 
@@ -44,7 +45,7 @@ def layer(r, xo, wo, g, wgu):  # o_proj on Triton tiles, the residual add, the n
     return torch.ops.treespec.skinny_glu.default(rms_norm(s, g).reshape(B * T, H), wgu), s
 
 
-def layer_y_read_twice(r, xo, wo, g, wgu):  # the GEMM's own output has another user: only the norm moves
+def layer_y_read_twice(r, xo, wo, g, wgu):  # the GEMM's own output has another user: left alone
     y = torch.ops.treespec.skinny_linear.default(xo.reshape(B * T, H), wo, None, True).reshape(B, T, H)
     s = y + r
     return torch.ops.treespec.skinny_glu.default(rms_norm(s, g).reshape(B * T, H), wgu), s, y.sum()
@@ -56,7 +57,7 @@ def layer_norm_read_twice(r, xo, wo, g, wgu):  # the normed rows have another us
     return torch.ops.treespec.skinny_glu.default(x.reshape(B * T, H), wgu), x.sum()
 
 
-def layer_cublas(r, xo, wo, g, wgu):  # o_proj left on cuBLAS: only the norm moves, the add stays
+def layer_cublas(r, xo, wo, g, wgu):  # o_proj left on cuBLAS: left alone
     s = r + F.linear(xo, wo)
     return torch.ops.treespec.skinny_glu.default(rms_norm(s, g).reshape(B * T, H), wgu), s
 
@@ -98,12 +99,13 @@ def test_add_and_norm_fold_into_the_two_gemms(cpu_on, dtype):
     gm = capture(layer, *args, inputs=graph_inputs)
     want = gm(*graph_inputs)
     gm = fuse_residual_norm(gm, ON)
-    (glu,), (lin,) = ops(gm, GLU), ops(gm, LINEAR)
-    assert not rsqrts(gm) and not [n for n in gm.graph.nodes if n.target in (operator.add, torch.add)]
-    assert len(glu.args) == 4 and glu.args[3] == 1e-6 and len(lin.args) == 5 and lin.args[4] is not None
+    (glu,), (out,) = ops(gm, GLU), ops(gm, NORM_OUT)
+    assert not rsqrts(gm) and not ops(gm, LINEAR)
+    assert not [n for n in gm.graph.nodes if n.target in (operator.add, torch.add)]
+    assert len(glu.args) == 4 and glu.args[3] == 1e-6 and glu.args[0].args == (out, 1) and glu.args[2].args == (out, 2)
     got = gm(*graph_inputs)
-    # the CPU paths run HF's norm and the unfused add: the same values (float32 exactly, 16-bit to a rounding)
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    # one rounding of norm_weight * s where HF rounds twice: float32 to ~1e-6, 16-bit to a rounding
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the residual stream: bit for bit
@@ -111,13 +113,8 @@ def test_add_and_norm_fold_into_the_two_gemms(cpu_on, dtype):
 
 def test_what_is_left_alone(cpu_on, monkeypatch):
     args = inputs()
-    gm = fuse_residual_norm(capture(layer_y_read_twice, *args), ON)  # y read twice: the add stays
-    (glu,), (lin,) = ops(gm, GLU), ops(gm, LINEAR)
-    assert len(glu.args) == 4 and len(lin.args) == 4 and not rsqrts(gm)
-    gm = fuse_residual_norm(capture(layer_cublas, *args), ON)  # cuBLAS producer: the add stays
-    (glu,) = ops(gm, GLU)
-    assert len(glu.args) == 4 and not rsqrts(gm) and ops(gm, torch._C._nn.linear)
-    for fn, settings in ((layer_norm_read_twice, ON), (layer, OFF), (layer, SimpleNamespace())):
+    for fn, settings in ((layer_y_read_twice, ON), (layer_cublas, ON), (layer_norm_read_twice, ON), (layer, OFF),
+                         (layer, SimpleNamespace())):  # fmt: skip
         gm = capture(fn, *args)
         before = [n.target for n in gm.graph.nodes]
         gm = fuse_residual_norm(gm, settings)
@@ -127,7 +124,7 @@ def test_what_is_left_alone(cpu_on, monkeypatch):
     monkeypatch.setenv(norm_module.NORM_ENV, "yes")
     with pytest.raises(ValueError, match=norm_module.NORM_ENV):
         fuse_residual_norm(capture(layer, *args), ON)
-    monkeypatch.delenv(norm_module.NORM_ENV)  # unset: off (it lost on an H100)
+    monkeypatch.delenv(norm_module.NORM_ENV)  # unset: off until a GPU round A/B
     assert rsqrts(fuse_residual_norm(capture(layer, *args), ON))
     monkeypatch.setenv(norm_module.NORM_ENV, "1")
     monkeypatch.setattr(norm_module, "_DEVICE_TYPES", ("cuda",))
@@ -135,6 +132,9 @@ def test_what_is_left_alone(cpu_on, monkeypatch):
     monkeypatch.setattr(norm_module, "_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(norm_module, "_DTYPES", (torch.float16, torch.bfloat16))
     assert rsqrts(fuse_residual_norm(capture(layer, *args), ON))  # float32: not a 16-bit verify
+    monkeypatch.setattr(norm_module, "_DTYPES", (torch.float16, torch.bfloat16, torch.float32))
+    monkeypatch.setattr(skinny_op, "norm_out_supported", lambda M, N, K: False)
+    assert rsqrts(fuse_residual_norm(capture(layer, *args), ON))  # the producer's tiles cannot emit the norm
 
 
 def _all_passes_on_cpu(monkeypatch, dtype):
@@ -177,43 +177,42 @@ def _hf_logits(family, monkeypatch, on: bool, device="cpu", dtype=torch.float32,
     return logits, captured.graphs[-1]
 
 
-# (norms folded: 3 layers' q/k/v + gate/up, Qwen3's q/k/v stays a plain GEMM; adds folded: o -> gate/up in
-# every layer, down -> the next layer's q/k/v); the final norm before the LM head always stays
-@pytest.mark.parametrize("family,norms,adds", [("llama", 6, 5), ("mistral", 6, 5), ("qwen2", 6, 5), ("qwen3", 3, 3)])
-def test_hf_decoder_layers(monkeypatch, family, norms, adds):
+# folded: o -> gate/up in each of 3 layers, down -> the next layer's q/k/v (Qwen3's q/k/v is a plain GEMM: not a
+# consumer); the first layer's norm (after the embedding) and the final norm before the LM head always stay
+@pytest.mark.parametrize("family,folds", [("llama", 5), ("mistral", 5), ("qwen2", 5), ("qwen3", 3)])
+def test_hf_decoder_layers(monkeypatch, family, folds):
     _all_passes_on_cpu(monkeypatch, torch.float32)
     want, plain = _hf_logits(family, monkeypatch, on=False)
     got, gm = _hf_logits(family, monkeypatch, on=True)
-    prologues = [n for n in ops(gm, GLU) + ops(gm, ROPE) if len(n.args) in (4, 9)]
-    epilogues = [n for n in ops(gm, LINEAR) if len(n.args) == 5]
-    assert len(prologues) == norms and len(epilogues) == adds
-    assert len(rsqrts(plain)) - len(rsqrts(gm)) == norms
+    scaled = [n for n in ops(gm, GLU) + ops(gm, ROPE) if len(n.args) in (4, 9)]
+    assert len(scaled) == folds and len(ops(gm, NORM_OUT)) == folds and not ops(plain, NORM_OUT)
+    assert len(rsqrts(plain)) - len(rsqrts(gm)) == folds
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_generate_with_the_norms_in_the_gemms_equals_hf_greedy(monkeypatch, family):
-    """Lossless end to end (float64 on the CPU: the ops' references, HF's exact norm): generate equals HF greedy
-    token for token, and the verify's 2 x 12 rows ran skinny_glu with the norm prologue in every layer."""
+    """End to end in float32 on the CPU (skinny_linear has no float64 path; the ops' references): generate equals
+    HF greedy token for token, and the verify's 2 x 12 rows ran skinny_glu with the row scale in every layer."""
     from test_fuse_mlp import generate_equals_hf_greedy
     from test_rewrite_attention import tiny_model
 
     from treecompile.ops import skinny_glu as glu_op
 
-    _all_passes_on_cpu(monkeypatch, torch.float64)
+    _all_passes_on_cpu(monkeypatch, torch.float32)
     monkeypatch.setenv(norm_module.NORM_ENV, "1")
-    model = tiny_model(family, seed=2, vocab_size=24)
+    model = tiny_model(family, seed=2, vocab_size=24).to(torch.float32)
     model.generation_config.eos_token_id = None
     normed_rows = []
     real = glu_op.skinny_glu_reference
 
-    def spy(x, weight, norm_weight=None, eps=0.0):  # the op's CPU path
-        if norm_weight is not None:
+    def spy(x, weight, *rest):  # the op's CPU path
+        if rest and rest[0] is not None:
             normed_rows.append(x.shape[0])
-        return real(x, weight, norm_weight, eps)
+        return real(x, weight, *rest)
 
     monkeypatch.setattr(glu_op, "skinny_glu_reference", spy)
-    generate_equals_hf_greedy(model, topk=3, num_nodes=12, fuse_projections=True)
+    generate_equals_hf_greedy(model, topk=3, num_nodes=12, fuse_projections=True, packed_linears=False)
     assert normed_rows.count(24) >= 3, normed_rows
 
 
@@ -228,8 +227,7 @@ def test_gpu_bf16_logits_follow_the_unfused_graph(monkeypatch):
     config = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     want, plain = _hf_logits("llama", monkeypatch, False, "cuda", torch.bfloat16, **config)
     got, gm = _hf_logits("llama", monkeypatch, True, "cuda", torch.bfloat16, **config)
-    assert len([n for n in ops(gm, GLU) + ops(gm, ROPE) if len(n.args) in (4, 9)]) == 6
-    assert len([n for n in ops(gm, LINEAR) if len(n.args) == 5]) == 5
+    assert len([n for n in ops(gm, GLU) + ops(gm, ROPE) if len(n.args) in (4, 9)]) == 5 == len(ops(gm, NORM_OUT))
     assert got.isfinite().all()
     scale = want.float().abs().max()
     assert (got.float() - want.float()).abs().max() <= 0.05 * scale, ((got.float() - want.float()).abs().max(), scale)
