@@ -215,9 +215,7 @@ def test_bad_input_names_the_argument(make, match):
         torch.ops.treespec.skinny_glu(x, w)
 
 
-@pytest.mark.parametrize(
-    "norm_sumsq,eps,match",
-    [
+BAD_ROW_SCALE = [  # (norm_sumsq, eps, error), for both ops (M = 2)
         (torch.zeros(2), 1e-6, r"norm_sumsq: expected a 2-d tensor \[S, M\]"),
         (torch.zeros(3, 3), 1e-6, r"norm_sumsq: expected \[S, M=2\] \(x's M\)"),
         (torch.zeros(0, 2), 1e-6, rf"norm_sumsq: .* 1 <= S <= {MAX_SUMSQ_SLICES}, got \(0, 2\)"),
@@ -229,8 +227,10 @@ def test_bad_input_names_the_argument(make, match):
         (torch.zeros(3, 2), float("nan"), "eps: the norm's epsilon must be a finite float >= 0"),
         (torch.zeros(3, 2), float("inf"), "eps: the norm's epsilon must be a finite float >= 0"),
         (None, -1.0, "eps: the norm's epsilon"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize("norm_sumsq,eps,match", BAD_ROW_SCALE)
 def test_bad_row_scale_arguments_name_the_argument(norm_sumsq, eps, match):
     with pytest.raises(ValueError, match=match):
         torch.ops.treespec.skinny_glu(torch.zeros(2, 8), torch.zeros(4, 8), norm_sumsq, eps)

@@ -16,7 +16,7 @@ from treecompile.ops.skinny_qkv_rope import (
     MAX_ROWS, ROPE_ENV, TILES_ENV, _launch_skinny_qkv_rope, rope_config, rope_wanted, skinny_qkv_rope_reference,
 )  # fmt: skip
 from treecompile.ops.skinny_glu import MAX_SUMSQ_SLICES
-from test_skinny_glu import _hf_norm_float64, _producer, _row_scale_inputs  # the norm inputs both ops share
+from test_skinny_glu import BAD_ROW_SCALE, _hf_norm_float64, _producer, _row_scale_inputs  # shared with glu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -316,22 +316,7 @@ def test_bad_input_names_the_argument(over, match):
         torch.ops.treespec.skinny_qkv_rope(a["x"], a["w"], a["b"], a["cos"], a["sin"], a["Hq"], a["Hkv"])
 
 
-@pytest.mark.parametrize(
-    "norm_sumsq,eps,match",
-    [
-        (torch.zeros(2), 1e-6, r"norm_sumsq: expected a 2-d tensor \[S, M\]"),
-        (torch.zeros(3, 3), 1e-6, r"norm_sumsq: expected \[S, M=2\] \(x's M\)"),
-        (torch.zeros(0, 2), 1e-6, rf"norm_sumsq: .* 1 <= S <= {MAX_SUMSQ_SLICES}, got \(0, 2\)"),
-        (torch.zeros(MAX_SUMSQ_SLICES + 1, 2), 1e-6, rf"norm_sumsq: .* 1 <= S <= {MAX_SUMSQ_SLICES}"),
-        (torch.zeros(3, 2, dtype=torch.float64), 1e-6, "norm_sumsq: expected dtype torch.float32"),
-        (torch.zeros(2, 3).t(), 1e-6, "norm_sumsq: expected a contiguous"),
-        (torch.zeros(3, 2, device="meta"), 1e-6, "all tensors must be on one device"),
-        (torch.zeros(3, 2), -1e-6, "eps: the norm's epsilon must be a finite float >= 0"),
-        (torch.zeros(3, 2), float("nan"), "eps: the norm's epsilon must be a finite float >= 0"),
-        (torch.zeros(3, 2), float("inf"), "eps: the norm's epsilon must be a finite float >= 0"),
-        (None, -1.0, "eps: the norm's epsilon"),
-    ],
-)
+@pytest.mark.parametrize("norm_sumsq,eps,match", BAD_ROW_SCALE)
 def test_bad_row_scale_arguments_name_the_argument(norm_sumsq, eps, match):
     a = _args()
     args = (a["x"], a["w"], a["b"], a["cos"], a["sin"], a["Hq"], a["Hkv"])
