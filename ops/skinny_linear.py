@@ -751,7 +751,7 @@ if HAS_TRITON:
         acc, b, r, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, s_rm,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
     ):  # fmt: skip
-        """Store ``acc [BLOCK_M, BLOCK_N]`` (+ bias) (+ residual: ``_add_residual``) at out[rm, rn]. With
+        """Store ``acc [BLOCK_M, BLOCK_N]`` (+ bias) (+ residual: ``_bias_residual``) at out[rm, rn]. With
         SPLIT_K > 1 ``acc`` is this split's partial: it goes to ``ws [SPLIT_K, M, N]``; the split that then
         finds its slice's counter at SPLIT_K - 1 (the last to arrive) sums all SPLIT_K partials in split order
         (the same sum whichever split is last), adds bias and residual, stores, and zeroes the counter for the
@@ -763,13 +763,7 @@ if HAS_TRITON:
         ok = m_ok[:, None] & n_ok[None, :]
         o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
         if SPLIT_K == 1:
-            y = acc
-            if HAS_BIAS:
-                # any stride: a bias may be a view (a column of a wider table)
-                y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if HAS_RES:
-                y = _add_residual(y.to(out.dtype.element_ty), r, rm, rn, s_rm, ok)
-            tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
+            tl.store(o_ptrs, _bias_residual(acc, b, r, out, rm, rn, n_ok, ok, s_b, s_rm, HAS_BIAS, HAS_RES), mask=ok)
         else:
             part = rm.to(tl.int64)[:, None] * N + rn[None, :]
             tl.store(ws + tl.program_id(2).to(tl.int64) * M * N + part, acc, mask=ok)  # int64: no overflow
@@ -780,11 +774,8 @@ if HAS_TRITON:
                 for s in tl.static_range(SPLIT_K):
                     split_base = tl.full((), s, tl.int64) * M * N
                     y += tl.load(ws + split_base + part, mask=ok, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                if HAS_RES:
-                    y = _add_residual(y.to(out.dtype.element_ty), r, rm, rn, s_rm, ok)
-                tl.store(o_ptrs, y.to(out.dtype.element_ty), mask=ok)
+                y = _bias_residual(y, b, r, out, rm, rn, n_ok, ok, s_b, s_rm, HAS_BIAS, HAS_RES)
+                tl.store(o_ptrs, y, mask=ok)
                 tl.atomic_xchg(counters + slice_id, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
@@ -798,10 +789,7 @@ if HAS_TRITON:
         m_ok = rm < M
         n_ok = rn < N
         ok = m_ok[:, None] & n_ok[None, :]
-        y = acc
-        if HAS_BIAS:
-            y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        s = _add_residual(y.to(out.dtype.element_ty), r, rm, rn, s_rm, ok).to(out.dtype.element_ty)
+        s = _bias_residual(acc, b, r, out, rm, rn, n_ok, ok, s_b, s_rm, HAS_BIAS, True)
         tl.store(out + rm.to(tl.int64)[:, None] * s_om + rn[None, :], s, mask=ok)
         sf = s.to(tl.float32)
         gf = tl.load(g + rn * s_g, mask=n_ok, other=0.0).to(tl.float32)
@@ -811,12 +799,20 @@ if HAS_TRITON:
         tl.store(sq + tl.program_id(0).to(tl.int64) * M + rm, part, mask=m_ok)
 
     @triton.jit
-    def _add_residual(y, r, rm, rn, s_rm, ok):
-        """``y`` (the GEMM + bias, already rounded to out's dtype: what ``F.linear`` returns) + residual[rm, rn],
-        in float32: the unfused graph's 16-bit add, whose sum the caller rounds once more at the store. The
-        residual is read under the store's mask (any row stride, last dim contiguous)."""
-        res = tl.load(r + rm.to(tl.int64)[:, None] * s_rm + rn[None, :], mask=ok, other=0.0)
-        return y.to(tl.float32) + res.to(tl.float32)
+    def _bias_residual(
+        y, b, r, out, rm, rn, n_ok, ok, s_b, s_rm, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr
+    ):  # fmt: skip
+        """The float32 sums ``y`` as stored at ``out``: + bias (any stride: a bias may be a view, a column of a
+        wider table), rounded to out's dtype (what ``F.linear`` returns); with the residual, that plus
+        residual[rm, rn] in float32, rounded again (the unfused graph's 16-bit add). The residual is read under
+        the store's mask (any row stride, last dim contiguous)."""
+        if HAS_BIAS:
+            y += tl.load(b + rn * s_b, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y.to(out.dtype.element_ty)
+        if HAS_RES:
+            res = tl.load(r + rm.to(tl.int64)[:, None] * s_rm + rn[None, :], mask=ok, other=0.0)
+            y = (y.to(tl.float32) + res.to(tl.float32)).to(out.dtype.element_ty)
+        return y
 
 
 def _launch_gemv(x, weight, bias, out, cfg: SkinnyConfig, constant_weight: bool, residual=None) -> None:

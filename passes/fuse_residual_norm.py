@@ -74,9 +74,9 @@ def _qualifies(value, H: int) -> bool:
     )  # fmt: skip
 
 
-def _producer(gm, y, s):
-    """(skinny_linear node, the reshape producing ``y``) when ``y`` is ``skinny_linear(...).reshape(...)`` with no
-    residual of its own and no user but the add ``s``, else None."""
+def _producer(y, s):
+    """The skinny_linear node when ``y`` is ``skinny_linear(...).reshape(...)`` with no residual of its own and no
+    user but the add ``s``, else None."""
     if not _method(y, "reshape") or not _sole_user(y, s):
         return None
     call = y.args[0]
@@ -84,7 +84,7 @@ def _producer(gm, y, s):
         return None
     if len(call.args) > 4 or call.kwargs:  # a residual (or anything past constant_weight) already there
         return None
-    return call, y
+    return call
 
 
 def _fold_norm(gm, graph, consumer, nargs: int) -> bool:
@@ -105,11 +105,10 @@ def _fold_norm(gm, graph, consumer, nargs: int) -> bool:
     if not _call(s, _ADD, 2) or s.kwargs:
         return False
     for y, residual in (s.args, s.args[::-1]):
-        found = _producer(gm, y, s) if isinstance(residual, torch.fx.Node) else None
-        r_value = node_value(gm, residual) if found else None
+        call = _producer(y, s) if isinstance(residual, torch.fx.Node) else None
+        r_value = node_value(gm, residual) if call is not None else None
         if r_value is None or r_value.shape != s_value.shape or r_value.dtype != s_value.dtype:
             continue
-        call, _ = found
         w = node_value(gm, call.args[1])  # (its input rows are a reshape the earlier pass made: no example value)
         if w is None or w.dim() != 2 or w.shape[0] != H or not skinny_op.norm_out_supported(M, H, w.shape[1]):
             continue
