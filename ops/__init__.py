@@ -18,3 +18,4 @@ from . import skinny_linear  # noqa: F401  (skinny_linear: F.linear for <= 64 ro
 from . import fused_mlp  # noqa: F401  (fused_mlp: a gated MLP for <= 16 rows as one weight stream)
 from . import skinny_glu  # noqa: F401  (skinny_glu: gate/up + silu-mul for <= 64 rows as one GEMM)
 from . import skinny_qkv_rope  # noqa: F401  (skinny_qkv_rope: q/k/v projection + rotary embedding for <= 64 rows)
+from . import select_tree  # noqa: F401  (select_tree: a draft round's verify tree in one kernel)

@@ -41,12 +41,14 @@ import torch
 
 from treecompile.compiling import batch_key, compile_inference
 from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device
+from treecompile.ops.select_tree import _bit, ascending_unique, rank_order, select_tree_reference
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DraftTree", "LaneState", "TreeBatch", "ascending_unique", "rank_order"]
 
 PAIRWISE_RANK_ENV = "TREECOMPILE_PAIRWISE_RANK"
+SELECT_KERNEL_ENV = "TREECOMPILE_SELECT_KERNEL"
 
 
 @dataclass
@@ -107,54 +109,6 @@ class TreeBatch:
     candidate: torch.Tensor
 
 
-def ascending_unique(keys: torch.Tensor, pairwise: bool = False) -> torch.Tensor:
-    """Permutation sorting ``keys [..., C]`` (int64, distinct along the last dim) ascending: ``sort().indices``.
-
-    ``pairwise``: no sort. Each key's rank is the number of keys below it (a ``[.., C, C]`` comparison summed:
-    one reduction kernel under Inductor, every element in parallel) and the permutation is a scatter of the
-    indices to their ranks. Exact for distinct keys, the same result as the sort; C^2 comparisons, so meant
-    for the few dozen to few hundred candidates of a round (opt-in, ``TREECOMPILE_PAIRWISE_RANK=1``, until the
-    GPU has timed it against the single-program sort)."""
-    if not pairwise:
-        return torch.sort(keys, dim=-1).indices
-    rank = (keys.unsqueeze(-2) < keys.unsqueeze(-1)).sum(-1)  # [.., i]: #{j : key_j < key_i}
-    index = torch.arange(keys.shape[-1], device=keys.device).expand_as(rank)
-    return torch.empty_like(rank).scatter_(-1, rank, index)
-
-
-def rank_order(scores: torch.Tensor, pairwise: bool = False) -> torch.Tensor:
-    """Permutation ranking the last dim of ``scores``: higher first, ties to the lower index, NaN last.
-
-    Parameters
-    ----------
-    scores : [..., C] floating, whose last-dim index is the candidate id order.
-    pairwise : rank without a sort (:func:`ascending_unique`); float32 and 16-bit scores only, float64 keeps
-        its two stable sorts.
-
-    Returns
-    -------
-    [..., C] int64: ``order[..., 0]`` is the best candidate's index.
-    """
-    nan = torch.isnan(scores)
-    if scores.dtype != torch.float64 and scores.shape[-1] <= 1 << 31:
-        # One sort of unique int64 keys: the float32 bits of `0 - s` (-0.0 and +0.0 become one key) mapped to
-        # their unsigned order, NaN above everything, then the candidate index: ties go to the lower index
-        # without a stable sort. (Under Inductor a sort of a few hundred candidates is one single-program
-        # kernel of ~19 us on the H200: one pass instead of two.) 16-bit scores widen to float32 exactly.
-        bits = (0.0 - scores.float()).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-        ordered = torch.where(bits >= 1 << 31, (~bits) & 0xFFFFFFFF, bits | (1 << 31))
-        ordered = torch.where(nan, 0xFFFFFFFF, ordered)
-        index = torch.arange(scores.shape[-1], device=scores.device)
-        return ascending_unique((ordered << 31) | index, pairwise)
-    # float64 (the CPU reference path): its bits do not fit a key beside an index; two stable passes.
-    # `0 - s` maps -0.0 and +0.0 to one key (a radix sort would split them); NaN's own sort position
-    # differs across devices and NaN sign bits, so NaN gets a finite-free key and a second stable pass.
-    key = torch.where(nan, torch.full_like(scores, float("inf")), 0.0 - scores)
-    order = torch.sort(key, dim=-1, stable=True).indices
-    nan_last = torch.sort(nan.gather(-1, order).to(torch.uint8), dim=-1, stable=True).indices
-    return order.gather(-1, nan_last)
-
-
 def pairwise_rank_from_env() -> bool:
     """``TREECOMPILE_PAIRWISE_RANK``: "1" ranks by pairwise comparison, "0" or unset sorts."""
     raw = os.environ.get(PAIRWISE_RANK_ENV, "").strip()
@@ -163,9 +117,13 @@ def pairwise_rank_from_env() -> bool:
     return raw == "1"
 
 
-def _bit(index: torch.Tensor) -> torch.Tensor:
-    """``1 << index`` as int64 (index int64 in 0..63; bit 63 is the sign bit)."""
-    return torch.bitwise_left_shift(torch.ones_like(index), index)
+def select_kernel_from_env() -> bool:
+    """``TREECOMPILE_SELECT_KERNEL``: "1" selects the tree with the ``treespec::select_tree`` op (one kernel on
+    CUDA), "0" or unset with the two-sort torch code (off until the GPU has timed it)."""
+    raw = os.environ.get(SELECT_KERNEL_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{SELECT_KERNEL_ENV}={raw!r}: expected '0' (torch sorts) or '1' (the select_tree op)")
+    return raw == "1"
 
 
 def _begin_core(logp0: torch.Tensor, tokens0: torch.Tensor, own_bits: torch.Tensor, pairwise: bool = False):
@@ -198,65 +156,14 @@ def _expand_core(lane_scores, lane_mask, lane_candidate, child_logp, child_token
             parent_lane)  # fmt: skip
 
 
-def _select_core(scores: list, tokens: list, parents: list, root_tokens, cand_depth, N: int, S: int,
-                 pairwise: bool = False):  # fmt: skip
-    """The best N-1 of the recorded candidates, numbered depth first, best child first (select())."""
-    cand_scores, cand_tokens, cand_parent = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
-    B = cand_scores.shape[0]
-    M = N - 1  # kept candidates
-    device = root_tokens.device
-
-    kept = rank_order(cand_scores, pairwise)[:, :M]  # [B, M] candidate ids; position p = global rank p
-    pos = torch.arange(M, dtype=torch.int64, device=device).expand(B, M)
-    pos_of_cand = torch.full_like(cand_tokens, M).scatter_(1, kept, pos)  # M: not kept
-    kept_parent = cand_parent.gather(1, kept)
-    # Closure under parents (module docstring) makes every non-root parent a kept position.
-    parent_pos = torch.where(kept_parent < 0, -1, pos_of_cand.gather(1, kept_parent.clamp(min=0)))
-    kept_depth = cand_depth.expand(B, -1).gather(1, kept)
-
-    # path[b, p, l-1]: rank of p's ancestor at depth l (p itself at its own depth), -1 past p's depth.
-    # Depth-first, best-child-first order is the lexicographic order of these rank paths: two nodes
-    # first differ at siblings, which the global rank orders like their scores.
-    levels = torch.arange(1, S + 1, dtype=torch.int64, device=device)
-    path = torch.full((B, M, S), -1, dtype=torch.int64, device=device)
-    cur, cur_depth = pos, kept_depth
-    for _ in range(S):
-        path = torch.where(levels == cur_depth.unsqueeze(2), cur.unsqueeze(2), path)
-        cur = torch.where(cur >= 0, parent_pos.gather(1, cur.clamp(min=0)), -1)
-        cur_depth = cur_depth - 1
-
-    bits = max(1, M.bit_length())  # a rank + 1 is 0..M (-1, past a node's depth, becomes 0)
-    if S * bits <= 63:
-        # One sort: each rank path packed into an int64, depth 1 most significant, is its lexicographic order,
-        # and the keys are unique (one path per node), so no stable pass is needed. Under Inductor each sort
-        # is a single-program kernel of ~4-5 us on the H200 (S = 6: ~14 us a round for the loop below).
-        shifts = (S - levels) * bits  # level l (column l - 1) shifts by (S - l) * bits
-        perm = ascending_unique(((path + 1) << shifts).sum(-1), pairwise)
-    else:
-        perm = pos  # S stable sorts, deepest level first: LSD-radix order gives the lexicographic one
-        for level in range(S - 1, -1, -1):
-            key = path[:, :, level].gather(1, perm)
-            perm = perm.gather(1, torch.sort(key, dim=1, stable=True).indices)
-
-    node_of_pos = torch.empty_like(pos).scatter_(1, perm, pos + 1)  # kept position -> node index
-    node_path = node_of_pos.gather(1, path.clamp(min=0).reshape(B, M * S)).view(B, M, S)
-    node_bits = torch.where(path >= 0, _bit(node_path), 0)
-    kept_mask = node_bits[:, :, 0]
-    for level in range(1, S):
-        kept_mask = kept_mask | node_bits[:, :, level]
-    kept_mask = kept_mask | 1  # the root is everyone's ancestor
-
-    parent_of_node = parent_pos.gather(1, perm)  # kept position of each node's parent, -1: the root
-    parent_node = node_of_pos.gather(1, parent_of_node.clamp(min=0))
-    parent_of_node = torch.where(parent_of_node >= 0, parent_node, 0)
-    col0 = torch.zeros(B, 1, dtype=torch.int64, device=device)
-    return (
-        torch.cat([root_tokens.reshape(B, 1), cand_tokens.gather(1, kept.gather(1, perm))], 1),
-        torch.cat([col0 - 1, parent_of_node], 1),
-        torch.cat([col0, kept_depth.gather(1, perm)], 1),
-        torch.cat([col0 + 1, kept_mask.gather(1, perm)], 1),
-        torch.cat([col0 - 1, kept.gather(1, perm)], 1),
-    )  # fmt: skip
+def _select_core(scores: list, tokens: list, parents: list, root_tokens, K: int, N: int, pairwise: bool = False,
+                 kernel: bool = False):  # fmt: skip
+    """The best N-1 of the recorded candidates, numbered depth first, best child first (select()): the
+    ``treespec::select_tree`` op (one kernel on CUDA) or its torch reference (two sorts)."""
+    candidates = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
+    if kernel:
+        return torch.ops.treespec.select_tree(*candidates, root_tokens, K, N)
+    return select_tree_reference(*candidates, root_tokens, K, N, pairwise)
 
 
 class DraftTree:
@@ -283,10 +190,14 @@ class DraftTree:
     pairwise_rank : bool
         Rank candidates by pairwise comparison instead of sorting (:func:`ascending_unique`; same trees).
         Default from ``TREECOMPILE_PAIRWISE_RANK`` ("1" on; off unless set), for A/B runs on the GPU.
+    select_kernel : bool
+        Select the tree with the ``treespec::select_tree`` op (:mod:`treecompile.ops.select_tree`: one kernel
+        on CUDA in place of ~10, the same trees) instead of torch's sorts. Default from
+        ``TREECOMPILE_SELECT_KERNEL`` ("1" on; off unless set, until timed on the GPU).
     """
 
     def __init__(self, topk: int, steps: int, num_nodes: int, *, inductor: bool = False,
-                 pairwise_rank: bool | None = None):  # fmt: skip
+                 pairwise_rank: bool | None = None, select_kernel: bool | None = None):  # fmt: skip
         for name, value in (("topk", topk), ("steps", steps), ("num_nodes", num_nodes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}: expected a Python int, got {type(value).__name__}")
@@ -314,6 +225,7 @@ class DraftTree:
         self.num_candidates = num_candidates
         self.lane_window = lane_window
         self.pairwise_rank = pairwise_rank_from_env() if pairwise_rank is None else bool(pairwise_rank)
+        self.select_kernel = select_kernel_from_env() if select_kernel is None else bool(select_kernel)
         # Per-step records, in candidate-id order; rebuilt by every begin().
         self._scores: list[torch.Tensor] = []
         self._tokens: list[torch.Tensor] = []
@@ -330,10 +242,9 @@ class DraftTree:
         else:
             self._begin_fn, self._expand_fn, self._select_fn = _begin_core, _expand_core, _select_core
 
-    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-device step tables, built once: ``own_bits [S, K]`` (row s: the bits of the lanes that run
-        step s + 1, zeros for the last row), ``first_ids [S]`` (step s's first candidate id) and
-        ``cand_depth [C]`` (candidate depth by id: step s holds depth s + 1)."""
+        step s + 1, zeros for the last row) and ``first_ids [S]`` (step s's first candidate id)."""
         consts = self._consts.get(device)
         if consts is None:  # built on the device from aranges: no host-to-device copy (a sync) in a round
             K, S = self.topk, self.steps
@@ -341,9 +252,7 @@ class DraftTree:
             own_bits = torch.where(slots < (S - 1) * K, _bit(slots), 0)
             step = torch.arange(S, dtype=torch.int64, device=device)
             first_ids = torch.where(step == 0, 0, K + (step - 1) * K * K)
-            ids = torch.arange(self.num_candidates, dtype=torch.int64, device=device)
-            cand_depth = torch.where(ids < K, 1, (ids - K) // (K * K) + 2)
-            consts = self._consts[device] = (own_bits, first_ids, cand_depth)
+            consts = self._consts[device] = (own_bits, first_ids)
         return consts
 
     def __repr__(self) -> str:
@@ -424,7 +333,7 @@ class DraftTree:
             )
 
         # Lanes that will run step s + 1 own slot s*K + r of the lane window (no bits after the last step).
-        own_bits, first_ids, _ = self._constants(child_logp.device)
+        own_bits, first_ids = self._constants(child_logp.device)
         scores, tokens, parents, lane_tokens, lane_scores, mask, candidate, parent_lane = self._expand_fn(
             lanes.scores, lanes.mask, lanes.candidate, child_logp, child_tokens, own_bits[s], first_ids[s],
             self.pairwise_rank)
@@ -474,9 +383,8 @@ class DraftTree:
         if root_tokens.shape[0] != B:
             raise ValueError(f"root_tokens: expected [B={B}], got {tuple(root_tokens.shape)}")
 
-        cand_depth = self._constants(root_tokens.device)[2]
         tokens, parents, depth, ancestor_mask, candidate = self._select_fn(
-            self._scores, self._tokens, self._parents, root_tokens, cand_depth, self.num_nodes, self.steps,
-            self.pairwise_rank)
+            self._scores, self._tokens, self._parents, root_tokens, self.topk, self.num_nodes, self.pairwise_rank,
+            self.select_kernel)
         return TreeBatch(tokens=tokens, parents=parents, depth=depth, ancestor_mask=ancestor_mask,
                          candidate=candidate)  # fmt: skip

@@ -120,6 +120,14 @@ def _cases() -> dict:
         cases[f"topk-slice-{'fused' if fused else 'plain'}"] = (
             "draft_topk", "_draft_topk_slice_kernel", const, topk_types, ("vocab", "num_blocks"), 1, 3,
         )  # fmt: skip
+    for scores in ("*fp32", "*fp64"):  # the draft round's tree selection (one program a request)
+        sel_types = dict(scores_ptr=scores, tokens_ptr="*i64", parents_ptr="*i64", root_ptr="*i64",
+                         out_tokens_ptr="*i64", out_parents_ptr="*i64", out_depth_ptr="*i64", out_mask_ptr="*i64",
+                         out_cand_ptr="*i64")  # fmt: skip
+        cases[f"select-tree-{scores[1:]}"] = (
+            "select_tree", "_select_tree_kernel", dict(BLOCK_C=64, BLOCK_M=64), sel_types,
+            ("num_candidates", "num_kept", "topk", "steps"), 4, 3,
+        )  # fmt: skip
     return cases
 
 
@@ -215,6 +223,12 @@ def test_draft_topk_fused_merge_compiles_with_its_counter(report):
     entry = _entry(report, "topk-slice-fused")
     assert entry["atomics"] >= 2 and entry["cg_loads"] > 0
     assert _entry(report, "topk-slice-plain")["atomics"] == 0
+
+
+@pytest.mark.parametrize("scores", ["fp32", "fp64"])
+def test_select_tree_kernel_compiles(report, scores):
+    """The one-kernel tree selection (int64 shifts and register "gathers" as masked sums) compiles for sm_90."""
+    _entry(report, f"select-tree-{scores}")
 
 
 @pytest.mark.parametrize("rows", [1, 4])

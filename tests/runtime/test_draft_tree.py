@@ -408,6 +408,36 @@ def test_pairwise_rank_env(monkeypatch):
         DraftTree(2, 3, 6)
 
 
+def test_select_kernel_env(monkeypatch):
+    monkeypatch.setenv("TREECOMPILE_SELECT_KERNEL", "1")
+    assert DraftTree(2, 3, 6).select_kernel and not DraftTree(2, 3, 6, select_kernel=False).select_kernel
+    monkeypatch.setenv("TREECOMPILE_SELECT_KERNEL", "0")
+    assert not DraftTree(2, 3, 6).select_kernel
+    monkeypatch.delenv("TREECOMPILE_SELECT_KERNEL")
+    assert not DraftTree(2, 3, 6).select_kernel
+    monkeypatch.setenv("TREECOMPILE_SELECT_KERNEL", "on")
+    with pytest.raises(ValueError, match="TREECOMPILE_SELECT_KERNEL='on': expected '0'"):
+        DraftTree(2, 3, 6)
+
+
+@pytest.mark.parametrize("mode", ["ties", "nan_rows"])
+def test_select_kernel_selects_the_same_trees(mode, monkeypatch, kernel_device):
+    """``DraftTree(select_kernel=True)`` through the op's Triton launcher (on CPU forced on, in the interpreter):
+    the same trees as the torch sorts for configs up to 84 candidates, NaN rows and ties included."""
+    from treecompile.ops import select_tree
+
+    if kernel_device == "cpu":
+        monkeypatch.setattr(select_tree, "use_triton", lambda *tensors: True)
+    for K, S, N in [(1, 3, 2), (2, 3, 7), (3, 5, 33), (4, 6, 63), (64, 1, 64)]:
+        logp0, tokens0, steps, roots = make_inputs(K, S, 3, mode, torch.float32, seed=9)
+        _, want = run_round(DraftTree(K, S, N), logp0, tokens0, steps, roots)
+        on = [t.to(kernel_device) for t in (logp0, tokens0, roots)]
+        steps = [(cl.to(kernel_device), ct.to(kernel_device)) for cl, ct in steps]
+        _, got = run_round(DraftTree(K, S, N, select_kernel=True), on[0], on[1], steps, on[2])
+        for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
+            assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (K, S, N, name)
+
+
 def test_ancestor_mask_matches_build_ancestor_mask():
     op = torch.ops.treespec.build_ancestor_mask
     for K, S, N in [(2, 3, 7), (4, 6, 63), (8, 6, 64), (1, 64, 64)]:
@@ -507,16 +537,17 @@ def test_inductor_round_equals_eager():
         for name in ("tokens", "mask", "candidate", "parent_lane"):
             assert torch.equal(getattr(g, name), getattr(w, name)), name
         torch.testing.assert_close(g.scores, w.scores, rtol=0, atol=0, equal_nan=True)
-    # The pairwise ranks under Inductor: the same tree again.
-    _, pairwise = run_round(DraftTree(K, S, N, inductor=True, pairwise_rank=True), *inputs)
-    for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
-        assert torch.equal(getattr(pairwise, name), getattr(want, name)), name
+    # The pairwise ranks and the select_tree op under Inductor: the same tree again.
+    for variant in ({"pairwise_rank": True}, {"select_kernel": True}):
+        _, again = run_round(DraftTree(K, S, N, inductor=True, **variant), *inputs)
+        for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
+            assert torch.equal(getattr(again, name), getattr(want, name)), (variant, name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pairwise", [False, True], ids=["sort", "pairwise"])
+@pytest.mark.parametrize("variant", ["sort", "pairwise", "kernel"])
 @pytest.mark.parametrize("config", [(4, 6, 63), (8, 9, 64)], ids=_cid)
-def test_cuda_matches_cpu_without_syncs(config, pairwise):
+def test_cuda_matches_cpu_without_syncs(config, variant):
     K, S, N = config
     B = 6
     inputs = make_inputs(K, S, B, "some_nan", torch.float32, seed=7)
@@ -525,7 +556,7 @@ def test_cuda_matches_cpu_without_syncs(config, pairwise):
     cuda_steps = [(cl.cuda(), ct.cuda()) for cl, ct in steps]
     # Host-to-device copies of the inputs are syncs themselves: do them before the checked region.
     logp0, tokens0, roots = logp0.cuda(), tokens0.cuda(), roots.cuda()
-    tree = DraftTree(K, S, N, pairwise_rank=pairwise)
+    tree = DraftTree(K, S, N, pairwise_rank=variant == "pairwise", select_kernel=variant == "kernel")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
