@@ -19,3 +19,4 @@ from . import fused_mlp  # noqa: F401  (fused_mlp: a gated MLP for <= 16 rows as
 from . import skinny_glu  # noqa: F401  (skinny_glu: gate/up + silu-mul for <= 64 rows as one GEMM)
 from . import skinny_qkv_rope  # noqa: F401  (skinny_qkv_rope: q/k/v projection + rotary embedding for <= 64 rows)
 from . import select_tree  # noqa: F401  (select_tree: a draft round's verify tree in one kernel)
+from . import expand_lanes  # noqa: F401  (expand_lanes: a draft step's record and next lanes in one kernel)

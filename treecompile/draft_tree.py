@@ -33,6 +33,7 @@ a CUDA-graph replay cost more than a small drafter's own forward.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ import torch
 
 from treecompile.compiling import batch_key, compile_inference
 from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device
+from treecompile.ops.expand_lanes import expand_lanes_reference
 from treecompile.ops.select_tree import _bit, ascending_unique, rank_order, select_tree_reference
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DraftTree", "LaneState", "TreeBatch", "ascending_unique", "rank_order"]
 
 PAIRWISE_RANK_ENV = "TREECOMPILE_PAIRWISE_RANK"
-SELECT_KERNEL_ENV = "TREECOMPILE_SELECT_KERNEL"
+TREE_KERNELS_ENV = "TREECOMPILE_TREE_KERNELS"
 
 
 @dataclass
@@ -117,43 +119,42 @@ def pairwise_rank_from_env() -> bool:
     return raw == "1"
 
 
-def select_kernel_from_env() -> bool:
-    """``TREECOMPILE_SELECT_KERNEL``: "1" selects the tree with the ``treespec::select_tree`` op (one kernel on
-    CUDA), "0" or unset with the two-sort torch code (off until the GPU has timed it)."""
-    raw = os.environ.get(SELECT_KERNEL_ENV, "").strip()
+def tree_kernels_from_env() -> bool:
+    """``TREECOMPILE_TREE_KERNELS``: "1" runs each round's bookkeeping through the ``treespec::expand_lanes`` and
+    ``treespec::select_tree`` ops (one kernel each on CUDA), "0" or unset through their torch references (sorts
+    and gathers; the default until the GPU has timed the ops)."""
+    raw = os.environ.get(TREE_KERNELS_ENV, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"{SELECT_KERNEL_ENV}={raw!r}: expected '0' (torch sorts) or '1' (the select_tree op)")
+        raise ValueError(f"{TREE_KERNELS_ENV}={raw!r}: expected '0' (torch references) or '1' (the treespec ops)")
     return raw == "1"
 
 
-def _begin_core(logp0: torch.Tensor, tokens0: torch.Tensor, own_bits: torch.Tensor, pairwise: bool = False):
-    """Step 0's record and step 1's lanes. ``own_bits [K]``: the lanes' own lane-window bits (zeros when
-    no lane step runs). Returns (scores, tokens, parents, lane tokens, lane scores, mask, candidate)."""
-    B, K = logp0.shape
-    score_dtype = torch.promote_types(logp0.dtype, torch.float32)
-    scores = logp0.to(score_dtype).clamp(max=0)  # the root's score is 0
-    tokens = tokens0.to(torch.int64)
-    order = rank_order(scores, pairwise)
-    return (
-        scores, tokens, torch.full((B, K), -1, dtype=torch.int64, device=scores.device),
-        tokens.gather(1, order), scores.gather(1, order), own_bits.expand(B, K).clone(), order,
-    )  # fmt: skip
+def _expand_op(pairwise: bool, kernels: bool):
+    if kernels:
+        return torch.ops.treespec.expand_lanes
+    return functools.partial(expand_lanes_reference, pairwise=pairwise)
+
+
+def _begin_core(logp0: torch.Tensor, tokens0: torch.Tensor, own_bits: torch.Tensor, first_id: torch.Tensor,
+                pairwise: bool = False, kernels: bool = False):  # fmt: skip
+    """Step 0's record and step 1's lanes: the root's K children (``expand_lanes`` without lane tensors).
+    ``own_bits [K]``: the lanes' own lane-window bits (zeros when no lane step runs); ``first_id`` 0-d int64
+    zero. Returns (scores, tokens, parents, lane tokens, lane scores, mask, candidate)."""
+    out = _expand_op(pairwise, kernels)(logp0.unsqueeze(1), tokens0.unsqueeze(1), own_bits, first_id)
+    scores, parents, lane_tokens, lane_scores, mask, candidate, _ = out
+    return scores, tokens0, parents, lane_tokens, lane_scores, mask, candidate
 
 
 def _expand_core(lane_scores, lane_mask, lane_candidate, child_logp, child_tokens, own_bits, first_id,
-                 pairwise: bool = False):  # fmt: skip
+                 pairwise: bool = False, kernels: bool = False):  # fmt: skip
     """One expand's record and the next lanes. ``own_bits [K]``: the next lanes' own bits (zeros after the
     last step); ``first_id`` 0-d int64: the step's first candidate id. Returns (scores, tokens, parents,
     lane tokens, lane scores, mask, candidate, parent lane)."""
     B, K = lane_scores.shape
-    scores = (lane_scores.unsqueeze(2) + child_logp.to(lane_scores.dtype).clamp(max=0)).reshape(B, K * K)
-    tokens = child_tokens.reshape(B, K * K)
-    parents = lane_candidate.unsqueeze(2).expand(B, K, K).reshape(B, K * K)
-    order = rank_order(scores, pairwise)[:, :K]  # [B, K] flat child index, best first
-    parent_lane = torch.div(order, K, rounding_mode="floor")
-    mask = lane_mask.gather(1, parent_lane) | own_bits
-    return (scores, tokens, parents, tokens.gather(1, order), scores.gather(1, order), mask, order + first_id,
-            parent_lane)  # fmt: skip
+    out = _expand_op(pairwise, kernels)(child_logp, child_tokens, own_bits, first_id, lane_scores, lane_mask,
+                                        lane_candidate)  # fmt: skip
+    scores, parents, lane_tokens, next_scores, mask, candidate, parent_lane = out
+    return scores, child_tokens.reshape(B, K * K), parents, lane_tokens, next_scores, mask, candidate, parent_lane
 
 
 def _select_core(scores: list, tokens: list, parents: list, root_tokens, K: int, N: int, pairwise: bool = False,
@@ -190,14 +191,16 @@ class DraftTree:
     pairwise_rank : bool
         Rank candidates by pairwise comparison instead of sorting (:func:`ascending_unique`; same trees).
         Default from ``TREECOMPILE_PAIRWISE_RANK`` ("1" on; off unless set), for A/B runs on the GPU.
-    select_kernel : bool
-        Select the tree with the ``treespec::select_tree`` op (:mod:`treecompile.ops.select_tree`: one kernel
-        on CUDA in place of ~10, the same trees) instead of torch's sorts. Default from
-        ``TREECOMPILE_SELECT_KERNEL`` ("1" on; off unless set, until timed on the GPU).
+    tree_kernels : bool
+        Record each step and select the tree with the ``treespec::expand_lanes`` and ``treespec::select_tree``
+        ops (:mod:`treecompile.ops.expand_lanes`, :mod:`treecompile.ops.select_tree`: on CUDA one kernel a
+        step and one for the selection, in place of ~2 a step and ~10; the same lanes and trees) instead of
+        their torch references. Default from ``TREECOMPILE_TREE_KERNELS`` ("1" on; off unless set, until timed
+        on the GPU).
     """
 
     def __init__(self, topk: int, steps: int, num_nodes: int, *, inductor: bool = False,
-                 pairwise_rank: bool | None = None, select_kernel: bool | None = None):  # fmt: skip
+                 pairwise_rank: bool | None = None, tree_kernels: bool | None = None):  # fmt: skip
         for name, value in (("topk", topk), ("steps", steps), ("num_nodes", num_nodes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}: expected a Python int, got {type(value).__name__}")
@@ -225,7 +228,7 @@ class DraftTree:
         self.num_candidates = num_candidates
         self.lane_window = lane_window
         self.pairwise_rank = pairwise_rank_from_env() if pairwise_rank is None else bool(pairwise_rank)
-        self.select_kernel = select_kernel_from_env() if select_kernel is None else bool(select_kernel)
+        self.tree_kernels = tree_kernels_from_env() if tree_kernels is None else bool(tree_kernels)
         # Per-step records, in candidate-id order; rebuilt by every begin().
         self._scores: list[torch.Tensor] = []
         self._tokens: list[torch.Tensor] = []
@@ -286,9 +289,9 @@ class DraftTree:
                 f"tokens0: expected shape {tuple(logp0.shape)} like logp0, got {tuple(tokens0.shape)}"
             )
 
-        own_bits = self._constants(logp0.device)[0]
+        own_bits, first_ids = self._constants(logp0.device)
         scores, tokens, parents, lane_tokens, lane_scores, mask, order = self._begin_fn(
-            logp0, tokens0, own_bits[0], self.pairwise_rank)
+            logp0, tokens0, own_bits[0], first_ids[0], self.pairwise_rank, self.tree_kernels)
         self._scores, self._tokens, self._parents = [scores], [tokens], [parents]
         self._next_step = 1
         return LaneState(tokens=lane_tokens, scores=lane_scores, mask=mask, candidate=order,
@@ -336,7 +339,7 @@ class DraftTree:
         own_bits, first_ids = self._constants(child_logp.device)
         scores, tokens, parents, lane_tokens, lane_scores, mask, candidate, parent_lane = self._expand_fn(
             lanes.scores, lanes.mask, lanes.candidate, child_logp, child_tokens, own_bits[s], first_ids[s],
-            self.pairwise_rank)
+            self.pairwise_rank, self.tree_kernels)
         self._scores.append(scores)
         self._tokens.append(tokens)
         self._parents.append(parents)
@@ -385,6 +388,6 @@ class DraftTree:
 
         tokens, parents, depth, ancestor_mask, candidate = self._select_fn(
             self._scores, self._tokens, self._parents, root_tokens, self.topk, self.num_nodes, self.pairwise_rank,
-            self.select_kernel)
+            self.tree_kernels)
         return TreeBatch(tokens=tokens, parents=parents, depth=depth, ancestor_mask=ancestor_mask,
                          candidate=candidate)  # fmt: skip

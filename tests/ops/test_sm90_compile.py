@@ -128,7 +128,22 @@ def _cases() -> dict:
             "select_tree", "_select_tree_kernel", dict(BLOCK_C=64, BLOCK_M=64), sel_types,
             ("num_candidates", "num_kept", "topk", "steps"), 4, 3,
         )  # fmt: skip
+    for root in (True, False):  # one draft step's record and next lanes (the shipped K = 4: 16 children)
+        exp_types = dict(logp_ptr="*bf16" if root else "*fp32", tokens_ptr="*i64", own_ptr="*i64", first_ptr="*i64",
+                         lscore_ptr="*fp32", lmask_ptr="*i64", lcand_ptr="*i64", scores_ptr="*fp32",
+                         parents_ptr="*i64", ntok_ptr="*i64", nscore_ptr="*fp32", nmask_ptr="*i64", ncand_ptr="*i64",
+                         nlane_ptr="*i64")  # fmt: skip
+        scalars = tuple(n for n in inspect.signature(_expand_kernel_fn()).parameters if n.startswith("s_"))
+        cases[f"expand-lanes-{'root' if root else 'lanes'}"] = (
+            "expand_lanes", "_expand_lanes_kernel", dict(ROOT=root, BLOCK=16), exp_types, ("R", "K", *scalars), 1, 3,
+        )  # fmt: skip
     return cases
+
+
+def _expand_kernel_fn():
+    from treecompile.ops.expand_lanes import _expand_lanes_kernel
+
+    return _expand_lanes_kernel.fn
 
 
 def _hints_before_wait(ptx: str) -> bool:
@@ -229,6 +244,11 @@ def test_draft_topk_fused_merge_compiles_with_its_counter(report):
 def test_select_tree_kernel_compiles(report, scores):
     """The one-kernel tree selection (int64 shifts and register "gathers" as masked sums) compiles for sm_90."""
     _entry(report, f"select-tree-{scores}")
+
+
+@pytest.mark.parametrize("variant", ["root", "lanes"])
+def test_expand_lanes_kernel_compiles(report, variant):
+    _entry(report, f"expand-lanes-{variant}")
 
 
 @pytest.mark.parametrize("rows", [1, 4])

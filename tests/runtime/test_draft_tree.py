@@ -408,34 +408,39 @@ def test_pairwise_rank_env(monkeypatch):
         DraftTree(2, 3, 6)
 
 
-def test_select_kernel_env(monkeypatch):
-    monkeypatch.setenv("TREECOMPILE_SELECT_KERNEL", "1")
-    assert DraftTree(2, 3, 6).select_kernel and not DraftTree(2, 3, 6, select_kernel=False).select_kernel
-    monkeypatch.setenv("TREECOMPILE_SELECT_KERNEL", "0")
-    assert not DraftTree(2, 3, 6).select_kernel
-    monkeypatch.delenv("TREECOMPILE_SELECT_KERNEL")
-    assert not DraftTree(2, 3, 6).select_kernel
-    monkeypatch.setenv("TREECOMPILE_SELECT_KERNEL", "on")
-    with pytest.raises(ValueError, match="TREECOMPILE_SELECT_KERNEL='on': expected '0'"):
+def test_tree_kernels_env(monkeypatch):
+    monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "1")
+    assert DraftTree(2, 3, 6).tree_kernels and not DraftTree(2, 3, 6, tree_kernels=False).tree_kernels
+    monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "0")
+    assert not DraftTree(2, 3, 6).tree_kernels
+    monkeypatch.delenv("TREECOMPILE_TREE_KERNELS")
+    assert not DraftTree(2, 3, 6).tree_kernels
+    monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "on")
+    with pytest.raises(ValueError, match="TREECOMPILE_TREE_KERNELS='on': expected '0'"):
         DraftTree(2, 3, 6)
 
 
 @pytest.mark.parametrize("mode", ["ties", "nan_rows"])
-def test_select_kernel_selects_the_same_trees(mode, monkeypatch, kernel_device):
-    """``DraftTree(select_kernel=True)`` through the op's Triton launcher (on CPU forced on, in the interpreter):
-    the same trees as the torch sorts for configs up to 84 candidates, NaN rows and ties included."""
-    from treecompile.ops import select_tree
+def test_tree_kernels_give_the_same_lanes_and_trees(mode, monkeypatch, kernel_device):
+    """``DraftTree(tree_kernels=True)`` through the ops' Triton launchers (on CPU forced on, in the interpreter):
+    the same lanes and trees as the torch references for configs up to 84 candidates, NaN rows and ties too."""
+    from treecompile.ops import expand_lanes, select_tree
 
     if kernel_device == "cpu":
-        monkeypatch.setattr(select_tree, "use_triton", lambda *tensors: True)
+        for module in (expand_lanes, select_tree):
+            monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
     for K, S, N in [(1, 3, 2), (2, 3, 7), (3, 5, 33), (4, 6, 63), (64, 1, 64)]:
         logp0, tokens0, steps, roots = make_inputs(K, S, 3, mode, torch.float32, seed=9)
-        _, want = run_round(DraftTree(K, S, N), logp0, tokens0, steps, roots)
+        want_lanes, want = run_round(DraftTree(K, S, N), logp0, tokens0, steps, roots)
         on = [t.to(kernel_device) for t in (logp0, tokens0, roots)]
         steps = [(cl.to(kernel_device), ct.to(kernel_device)) for cl, ct in steps]
-        _, got = run_round(DraftTree(K, S, N, select_kernel=True), on[0], on[1], steps, on[2])
+        got_lanes, got = run_round(DraftTree(K, S, N, tree_kernels=True), on[0], on[1], steps, on[2])
         for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (K, S, N, name)
+        for g, w in zip(got_lanes, want_lanes):
+            for name in ("tokens", "mask", "candidate", "parent_lane"):
+                assert torch.equal(getattr(g, name).cpu(), getattr(w, name)), (K, S, N, name)
+            torch.testing.assert_close(g.scores.cpu(), w.scores, rtol=0, atol=0, equal_nan=True)
 
 
 def test_ancestor_mask_matches_build_ancestor_mask():
@@ -538,7 +543,7 @@ def test_inductor_round_equals_eager():
             assert torch.equal(getattr(g, name), getattr(w, name)), name
         torch.testing.assert_close(g.scores, w.scores, rtol=0, atol=0, equal_nan=True)
     # The pairwise ranks and the select_tree op under Inductor: the same tree again.
-    for variant in ({"pairwise_rank": True}, {"select_kernel": True}):
+    for variant in ({"pairwise_rank": True}, {"tree_kernels": True}):
         _, again = run_round(DraftTree(K, S, N, inductor=True, **variant), *inputs)
         for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
             assert torch.equal(getattr(again, name), getattr(want, name)), (variant, name)
@@ -556,7 +561,7 @@ def test_cuda_matches_cpu_without_syncs(config, variant):
     cuda_steps = [(cl.cuda(), ct.cuda()) for cl, ct in steps]
     # Host-to-device copies of the inputs are syncs themselves: do them before the checked region.
     logp0, tokens0, roots = logp0.cuda(), tokens0.cuda(), roots.cuda()
-    tree = DraftTree(K, S, N, pairwise_rank=variant == "pairwise", select_kernel=variant == "kernel")
+    tree = DraftTree(K, S, N, pairwise_rank=variant == "pairwise", tree_kernels=variant == "kernel")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 4 (carry .whl): two opt-in savings timed against the defaults in one warm run, after their GPU tests.
+#   treek   TREECOMPILE_TREE_KERNELS=1: the draft round's bookkeeping as treespec ops, one kernel a step
+#           (ops/expand_lanes.py) and one for the tree selection (ops/select_tree.py), in place of two or three a
+#           step and ~10 (two single-program sorts, two scatters, gathers and masks: ~30 us of the H100's draft
+#           profile, notes/gpu-2026-12-05-s42/prof_h100_glu_pdl0/draft.txt). The H200 draft is 1.33x its floor
+#           against 1.3x: ~30 us over.
+#   norm    TREECOMPILE_FUSE_NORM=1: passes/fuse_residual_norm.py version 2 (producer epilogue; never timed).
+#   both    the two together.
+#   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.
+#   default neither (run first and last: the machine's drift).
+# GPU tests first (TEST_K over the two tree ops', the draft tree's, the norm pass's and the ops' norm paths').
+set -u
+export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
+gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
+case $gpu in *H200*) all="default treek norm both default";; *) all="default treek norm o_triton default";; esac
+if [ -z "${NO_TESTS:-}" ]; then
+  timeout ${T_TESTS:-170} python3 -m pytest -q -p no:cacheprovider tests/ops/test_select_tree.py tests/ops/test_expand_lanes.py \
+    tests/runtime/test_draft_tree.py tests/passes/test_fuse_residual_norm.py tests/ops/test_skinny_glu.py \
+    tests/ops/test_skinny_qkv_rope.py -k "${TEST_K:-cuda or tree_kernels or norm or gpu or sumsq or scale}" \
+    ${MORE_TESTS:-} > "$OUT/tests.log" 2>&1
+  echo "GPU tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | cut -c1-220 | tail -12
+fi
+for v in ${VARIANTS:-$all}; do
+  env=(PYTHONUNBUFFERED=1); cmd=(python3 -m treecompile.bench)
+  case $v in
+    default) ;;
+    treek) env+=(TREECOMPILE_TREE_KERNELS=1);;
+    norm) env+=(TREECOMPILE_FUSE_NORM=1);;
+    both) env+=(TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1);;
+    o_triton) env+=(TREECOMPILE_FUSE_NORM=1); cmd=(python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json treecompile.bench);;
+    *) echo "unknown variant $v"; continue;;
+  esac
+  start=$(date +%s)
+  env "${env[@]}" timeout ${T_ROUNDS:-170} "${cmd[@]}" rounds --inductor --nodes 64 --reps 10 --no-hf \
+    --json "$OUT/rounds_${v}_$start.json" > "$OUT/rounds_${v}_$start.log" 2>&1
+  echo "rounds $v rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^\| treecompile|shapes installed|fuse_residual_norm" "$OUT/rounds_${v}_$start.log" | head -5
+done
+cd "$OUT" && tar czf raw.tgz --remove-files $(ls | grep -v -e "^raw.tgz$" -e "json$") && ls -la "$OUT"
