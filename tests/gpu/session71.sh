@@ -23,20 +23,16 @@ if [ -z "${NO_TESTS:-}" ]; then
     ${MORE_TESTS:-} > "$OUT/tests.log" 2>&1
   echo "GPU tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | cut -c1-220 | tail -12
 fi
+. tests/gpu/rounds_lib.sh
 for v in ${VARIANTS:-$all}; do
-  env=(PYTHONUNBUFFERED=1); cmd=(python3 -m treecompile.bench)
   case $v in
-    default) ;;
-    treek) env+=(TREECOMPILE_TREE_KERNELS=1);;
-    norm) env+=(TREECOMPILE_FUSE_NORM=1);;
-    both) env+=(TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1);;
-    o_triton) env+=(TREECOMPILE_FUSE_NORM=1); cmd=(python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json treecompile.bench);;
-    *) echo "unknown variant $v"; continue;;
+    default) run_rounds "$v";;
+    treek) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1;;
+    norm) run_rounds "$v" TREECOMPILE_FUSE_NORM=1;;
+    both) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1;;
+    o_triton) run_rounds "$v" TREECOMPILE_FUSE_NORM=1 -- python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json \
+      treecompile.bench;;
+    *) echo "unknown variant $v";;
   esac
-  start=$(date +%s)
-  env "${env[@]}" timeout ${T_ROUNDS:-170} "${cmd[@]}" rounds --inductor --nodes 64 --reps 10 --no-hf \
-    --json "$OUT/rounds_${v}_$start.json" > "$OUT/rounds_${v}_$start.log" 2>&1
-  echo "rounds $v rc=$? in $(( $(date +%s) - start )) s"
-  grep -E "^\| treecompile|shapes installed|fuse_residual_norm" "$OUT/rounds_${v}_$start.log" | head -5
 done
 cd "$OUT" && tar czf raw.tgz --remove-files $(ls | grep -v -e "^raw.tgz$" -e "json$") && ls -la "$OUT"
