@@ -66,15 +66,15 @@ def test_kernel_matches_the_python_walk_and_the_reference(config, mode):
 
 
 def test_many_candidates_and_tile_widths():
-    """(8, 9, 64): 520 candidates in 9 tiles, the lane window at bit 63; a 16-wide tile (33 per side) and a
-    128-wide one give the same trees."""
-    K, S, N = 8, 9, 64
-    (scores, tokens, parents, roots), _ = candidates_of_a_round(K, S, N, 2, "ties", torch.float32, 0)
-    want = select_tree_reference(scores, tokens, parents, roots, K, N)
-    for block_c in (16, 128):
-        got = run_kernel(scores, tokens, parents, roots, K, N, block_c=block_c)
-        for name, g, w in zip(NAMES, got, want):
-            assert torch.equal(g, w), (block_c, name)
+    """(8, 9, 64): 520 candidates, 9 tiles a side at the default width and 5 at 128, the lane window at bit 63;
+    (4, 6, 63) in 16-wide tiles (6 a side). Each equals the reference."""
+    for (K, S, N), widths in (((8, 9, 64), (64, 128)), ((4, 6, 63), (16,))):
+        (scores, tokens, parents, roots), _ = candidates_of_a_round(K, S, N, 2, "ties", torch.float32, 0)
+        want = select_tree_reference(scores, tokens, parents, roots, K, N)
+        for block_c in widths:
+            got = run_kernel(scores, tokens, parents, roots, K, N, block_c=block_c)
+            for name, g, w in zip(NAMES, got, want):
+                assert torch.equal(g, w), (K, block_c, name)
 
 
 def test_fuzzed_configs():
