@@ -166,7 +166,7 @@ def _launch_expand_lanes(child_logp, child_tokens, own_bits, first_id, lane_scor
         R, K, *child_logp.stride(), *child_tokens.stride(), own_bits.stride(0), lane_scores.stride(0),
         lane_scores.stride(1), lane_mask.stride(0), lane_mask.stride(1), lane_candidate.stride(0),
         lane_candidate.stride(1), *(s for t in outs for s in t.stride()),
-        ROOT=root, BLOCK=block, num_warps=1 if block <= 256 else 4,
+        ROOT=root, BLOCK=block, BLOCK_K=triton.next_power_of_2(K), num_warps=1 if block <= 256 else 4,
     )  # fmt: skip
 
 
@@ -179,7 +179,7 @@ if HAS_TRITON:
         R, K,
         s_lb, s_lr, s_lk, s_tb, s_tr, s_tk, s_own, s_sb, s_sr, s_mb, s_mr, s_cb, s_cr,
         s_ob, s_oc, s_pb, s_pc, s_ntb, s_ntk, s_nsb, s_nsk, s_nmb, s_nmk, s_ncb, s_nck, s_nlb, s_nlk,
-        ROOT: tl.constexpr, BLOCK: tl.constexpr,
+        ROOT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # One program per request: the R*K children in registers (flat index i = r*K + c, the candidate-id
         # order), then K rounds of "best untaken" as in ops/draft_topk.py's slice kernel, with rank_order's
@@ -201,7 +201,21 @@ if HAS_TRITON:
         tl.store(scores_ptr + b * s_ob + i * s_oc, score, mask=live)
         tl.store(parents_ptr + b * s_pb + i * s_pc, parent, mask=live)
 
+        # Everything a pick reads is loaded up front, as vectors: a load that depended on the pick would put a
+        # memory latency inside every round. A pick's values come out of registers by a masked sum.
+        tokens = tl.load(tokens_ptr + b * s_tb + r * s_tr + c * s_tk, mask=live, other=0)
+        if ROOT:
+            lane_mask = tl.zeros([BLOCK], tl.int64)
+        else:
+            lane_mask = tl.load(lmask_ptr + b * s_mb + r * s_mr, mask=live, other=0)
+        jj = tl.arange(0, BLOCK_K)
+        in_k = jj < K
+        next_mask = tl.load(own_ptr + jj * s_own, mask=in_k, other=0)
         first_id = tl.load(first_ptr)
+        next_token = tl.zeros([BLOCK_K], tl.int64)
+        next_score = tl.zeros([BLOCK_K], scores_ptr.dtype.element_ty)
+        next_index = tl.zeros([BLOCK_K], tl.int32)
+
         nan = score != score  # noqa: PLR0124  (NaN only)
         taken = ~live
         for j in range(K):
@@ -210,18 +224,18 @@ if HAS_TRITON:
             any_finite = tl.max(finite.to(tl.int32), axis=0) > 0
             pick = tl.where(any_finite, finite & (score == best), ~taken & nan)
             sel = tl.min(tl.where(pick, i, BLOCK), axis=0)
-            taken = taken | (i == sel)
-            lane = sel // K
-            token = tl.load(tokens_ptr + b * s_tb + lane * s_tr + (sel % K) * s_tk)
-            mask = tl.load(own_ptr + j * s_own)
-            if not ROOT:
-                mask |= tl.load(lmask_ptr + b * s_mb + lane * s_mr)
-            chosen = tl.where(any_finite, best, float("nan"))  # a NaN pick has a NaN score
-            tl.store(ntok_ptr + b * s_ntb + j * s_ntk, token)
-            tl.store(nscore_ptr + b * s_nsb + j * s_nsk, chosen)
-            tl.store(nmask_ptr + b * s_nmb + j * s_nmk, mask)
-            tl.store(ncand_ptr + b * s_ncb + j * s_nck, sel.to(tl.int64) + first_id)
-            tl.store(nlane_ptr + b * s_nlb + j * s_nlk, lane.to(tl.int64))
+            hit = i == sel
+            taken = taken | hit
+            here = jj == j
+            next_index = tl.where(here, sel, next_index)
+            next_token = tl.where(here, tl.sum(tl.where(hit, tokens, 0), axis=0), next_token)
+            next_mask = tl.where(here, next_mask | tl.sum(tl.where(hit, lane_mask, 0), axis=0), next_mask)
+            next_score = tl.where(here, tl.where(any_finite, best, float("nan")), next_score)  # NaN pick: NaN
+        tl.store(ntok_ptr + b * s_ntb + jj * s_ntk, next_token, mask=in_k)
+        tl.store(nscore_ptr + b * s_nsb + jj * s_nsk, next_score, mask=in_k)
+        tl.store(nmask_ptr + b * s_nmb + jj * s_nmk, next_mask, mask=in_k)
+        tl.store(ncand_ptr + b * s_ncb + jj * s_nck, next_index.to(tl.int64) + first_id, mask=in_k)
+        tl.store(nlane_ptr + b * s_nlb + jj * s_nlk, (next_index // K).to(tl.int64), mask=in_k)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def _launch_select_tree(scores, tokens, parents, root_tokens, topk, out_tokens, 
         scores.stride(0), scores.stride(1), tokens.stride(0), tokens.stride(1), parents.stride(0),
         parents.stride(1), root_tokens.stride(0),
         *(s for t in outs for s in t.stride()),
-        BLOCK_C=block_c, BLOCK_M=MAX_NODES, num_warps=4,
+        BLOCK_C=block_c, BLOCK_M=MAX_NODES, num_warps=8,  # 4 warps spill (ptxas -v, sm_90a, Triton 3.6)
     )  # fmt: skip
 
 
@@ -178,6 +178,8 @@ if HAS_TRITON:
 
         # 1. Ranks by counting, tile by tile; the candidate of rank p < M goes to kept position p.
         cand = tl.zeros([BLOCK_M], tl.int64)
+        token = tl.zeros([BLOCK_M], tl.int64)
+        parent_cand = tl.zeros([BLOCK_M], tl.int64)
         for i0 in range(0, num_candidates, BLOCK_C):
             ci = i0 + tl.arange(0, BLOCK_C)
             in_i = ci < num_candidates
@@ -196,11 +198,16 @@ if HAS_TRITON:
                 finite_first = ~nan_j & (nan_i[None, :] | (s_j > s_i) | ((s_j == s_i) & lower))
                 before = (finite_first | (nan_j & nan_i[None, :] & lower)) & in_j[:, None]
                 rank += tl.sum(before.to(tl.int32), axis=0)
+            # The kept candidates' tokens and parents come along by the same masked sums (loaded with the
+            # scores, not gathered by id afterwards: no memory latency after the ranking).
+            tok_i = tl.load(tokens_ptr + b * stride_tb + ci * stride_tc, mask=in_i, other=0)
+            par_i = tl.load(parents_ptr + b * stride_pb + ci * stride_pc, mask=in_i, other=0)
             at = (rank[None, :] == pos[:, None]) & in_i[None, :]  # [BLOCK_M, BLOCK_C]
             cand += tl.sum(tl.where(at, ci[None, :], 0), axis=1).to(tl.int64)
+            token += tl.sum(tl.where(at, tok_i[None, :], 0), axis=1)
+            parent_cand += tl.sum(tl.where(at, par_i[None, :], 0), axis=1)
 
-        token = tl.load(tokens_ptr + b * stride_tb + cand * stride_tc, mask=kept, other=0)
-        parent_cand = tl.load(parents_ptr + b * stride_pb + cand * stride_pc, mask=kept, other=-1)
+        parent_cand = tl.where(kept, parent_cand, -1)
         depth = tl.where(cand < topk, 1, (cand - topk) // (topk * topk) + 2)
 
         # 2. The kept position of each parent (-1: a child of the root).

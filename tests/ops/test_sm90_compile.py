@@ -126,7 +126,7 @@ def _cases() -> dict:
                          out_cand_ptr="*i64")  # fmt: skip
         cases[f"select-tree-{scores[1:]}"] = (
             "select_tree", "_select_tree_kernel", dict(BLOCK_C=64, BLOCK_M=64), sel_types,
-            ("num_candidates", "num_kept", "topk", "steps"), 4, 3,
+            ("num_candidates", "num_kept", "topk", "steps"), 8, 3,
         )  # fmt: skip
     for root in (True, False):  # one draft step's record and next lanes (the shipped K = 4: 16 children)
         exp_types = dict(logp_ptr="*bf16" if root else "*fp32", tokens_ptr="*i64", own_ptr="*i64", first_ptr="*i64",
@@ -135,7 +135,8 @@ def _cases() -> dict:
                          nlane_ptr="*i64")  # fmt: skip
         scalars = tuple(n for n in inspect.signature(_expand_kernel_fn()).parameters if n.startswith("s_"))
         cases[f"expand-lanes-{'root' if root else 'lanes'}"] = (
-            "expand_lanes", "_expand_lanes_kernel", dict(ROOT=root, BLOCK=16), exp_types, ("R", "K", *scalars), 1, 3,
+            "expand_lanes", "_expand_lanes_kernel", dict(ROOT=root, BLOCK=16, BLOCK_K=4), exp_types,
+            ("R", "K", *scalars), 1, 3,
         )  # fmt: skip
     return cases
 
