@@ -9,7 +9,8 @@
 #   both    the two together.
 #   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.
 #   default neither (run first and last: the machine's drift).
-# GPU tests first (TEST_K over the two tree ops', the draft tree's, the norm pass's and the ops' norm paths').
+# GPU tests first (TEST_K over the two tree ops', the draft tree's, the norm pass's and the ops' norm paths'), then
+# tests/gpu/tree_ops_bench.py: the bookkeeping alone in a CUDA graph, torch against the ops.
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,6 +24,8 @@ if [ -z "${NO_TESTS:-}" ]; then
     ${MORE_TESTS:-} > "$OUT/tests.log" 2>&1
   echo "GPU tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | cut -c1-220 | tail -12
 fi
+timeout ${T_BENCH:-120} python3 tests/gpu/tree_ops_bench.py "$OUT/tree_ops.json" > "$OUT/tree_ops.log" 2>&1
+echo "tree ops bench rc=$?"; grep "^{" "$OUT/tree_ops.log"
 . tests/gpu/rounds_lib.sh
 for v in ${VARIANTS:-$all}; do
   case $v in

@@ -3,12 +3,13 @@ plain-Python EAGLE-2 walk of tests/runtime/test_draft_tree.py, on DraftTree's ow
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import poisoned
+from conftest import gpu_script, poisoned
 
 from treecompile.ops.select_tree import _launch_select_tree, select_tree_reference, tree_steps
 
@@ -161,6 +162,15 @@ def _good():
 def test_bad_input_raises(change, match):
     with pytest.raises(ValueError, match=match):
         torch.ops.treespec.select_tree(*change(_good()))
+
+
+def test_gpu_bench_script_smoke(monkeypatch, tmp_path):
+    """tests/gpu/tree_ops_bench.py's CPU smoke mode: one config, both forms, the same lanes and tree."""
+    out = tmp_path / "tree_ops.json"
+    monkeypatch.setattr(sys, "argv", ["tree_ops_bench.py", str(out), "--smoke"])
+    gpu_script("tree_ops_bench").main()
+    (row,) = json.loads(out.read_text())
+    assert row["equal"] is True and (row["K"], row["S"], row["N"]) == (4, 5, 64)
 
 
 def test_launcher_refuses_bad_tile():
