@@ -24,8 +24,10 @@ if [ -z "${NO_TESTS:-}" ]; then
     ${MORE_TESTS:-} > "$OUT/tests.log" 2>&1
   echo "GPU tests rc=$?"; grep -E "^FAILED|^ERROR|passed|failed" "$OUT/tests.log" | cut -c1-220 | tail -12
 fi
-timeout ${T_BENCH:-120} python3 tests/gpu/tree_ops_bench.py "$OUT/tree_ops.json" > "$OUT/tree_ops.log" 2>&1
-echo "tree ops bench rc=$?"; grep "^{" "$OUT/tree_ops.log"
+if [ -z "${NO_BENCH:-}" ]; then
+  timeout ${T_BENCH:-120} python3 tests/gpu/tree_ops_bench.py "$OUT/tree_ops.json" > "$OUT/tree_ops.log" 2>&1
+  echo "tree ops bench rc=$?"; grep -E "^\{|Error|error" "$OUT/tree_ops.log" | tail -6
+fi
 . tests/gpu/rounds_lib.sh
 for v in ${VARIANTS:-$all}; do
   case $v in
