@@ -224,7 +224,8 @@ def test_compiled_draft_round_matches_hf_without_graph_breaks(monkeypatch, topk)
     for got, want in zip(trees[1], trees[0]):
         assert torch.equal(got, want)
     assert (trees[0][0] >= 0).all()
-    again = torch.randint(3, VOCAB, (1, 5), generator=gen)
+    # A second request of the same size (its compiled code is reused: a new size would compile it all again)
+    again = torch.randint(3, VOCAB, (2, 5), generator=gen)
     got = spec.generate(again, max_new_tokens=9, eos_token_id=None).sequences
     assert torch.equal(got, hf_greedy(model, again, max_new_tokens=9))
     assert sum(dynamo_utils.counters["graph_break"].values()) == breaks
@@ -316,9 +317,9 @@ def test_new_batch_sizes_compile_new_code_not_recompiles(monkeypatch, compiled_d
     monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", compiled_draft)
     model = tiny_llama(dtype=torch.float32, seed=5)
     spec = TreeSpeculator(model, EagleDrafter.for_target(model, seed=1), topk=2, steps=3, num_nodes=6,
-                          max_batch_size=3, max_seq_len=64, page_size=8, inductor=True, shrink_batch=False)  # fmt: skip
-    ids = torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(6))
+                          max_batch_size=2, max_seq_len=64, page_size=8, inductor=True, shrink_batch=False)  # fmt: skip
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for b in (3, 1, 2):
+        for b in (2, 1, 2):  # a new size after another, then the first again (no recompile)
             out = spec.generate(ids[:b], max_new_tokens=8, eos_token_id=None)
             assert torch.equal(out.sequences, hf_greedy(model, ids[:b], max_new_tokens=8))
