@@ -122,7 +122,7 @@ def pairwise_rank_from_env() -> bool:
 def tree_kernels_from_env() -> bool:
     """``TREECOMPILE_TREE_KERNELS``: "1" runs each round's bookkeeping through the ``treespec::expand_lanes`` and
     ``treespec::select_tree`` ops (one kernel each on CUDA), "0" or unset through their torch references (sorts
-    and gathers; the default until the GPU has timed the ops)."""
+    and gathers; the default: Inductor's kernels for them were faster on an H100)."""
     raw = os.environ.get(TREE_KERNELS_ENV, "").strip()
     if raw not in ("", "0", "1"):
         raise ValueError(f"{TREE_KERNELS_ENV}={raw!r}: expected '0' (torch references) or '1' (the treespec ops)")
@@ -195,8 +195,8 @@ class DraftTree:
         Record each step and select the tree with the ``treespec::expand_lanes`` and ``treespec::select_tree``
         ops (:mod:`treecompile.ops.expand_lanes`, :mod:`treecompile.ops.select_tree`: on CUDA one kernel a
         step and one for the selection, in place of ~2 a step and ~10; the same lanes and trees) instead of
-        their torch references. Default from ``TREECOMPILE_TREE_KERNELS`` ("1" on; off unless set, until timed
-        on the GPU).
+        their torch references. Default from ``TREECOMPILE_TREE_KERNELS`` ("1" on; off unless set: on an H100
+        they took 35.1 us a round where Inductor's kernels take 31.1, forty-fourth session).
     """
 
     def __init__(self, topk: int, steps: int, num_nodes: int, *, inductor: bool = False,

@@ -4,7 +4,8 @@
 #           (ops/expand_lanes.py) and one for the tree selection (ops/select_tree.py), in place of two or three a
 #           step and ~10 (two single-program sorts, two scatters, gathers and masks: ~30 us of the H100's draft
 #           profile, notes/gpu-2026-12-05-s42/prof_h100_glu_pdl0/draft.txt). The H200 draft is 1.33x its floor
-#           against 1.3x: ~30 us over.
+#           against 1.3x: ~30 us over. On an H100 (forty-fourth session) it lost: draft +8 us, bookkeeping 35.1 us
+#           against 31.1 (tests/gpu/tree_ops_bench.py, which now times each op alone too).
 #   norm    TREECOMPILE_FUSE_NORM=1: passes/fuse_residual_norm.py version 2 (producer epilogue; never timed).
 #   both    the two together.
 #   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.

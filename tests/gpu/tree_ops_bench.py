@@ -61,6 +61,25 @@ def time_graph(fn) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def op_latencies(K, S, N, B) -> dict:
+    """Each op alone, eager, 20 launches back to back in one CUDA graph: us a launch (its latency in a replay)."""
+    from treecompile.ops.expand_lanes import expand_lanes_reference
+
+    (logp0, tokens0, roots), steps = inputs(K, S, B, "cuda")
+    tree = DraftTree(K, S, N)
+    lanes = tree.begin(logp0, tokens0)
+    for child_logp, child_tokens in steps:
+        lanes = tree.expand(lanes, child_logp, child_tokens)
+    scores, tokens, parents = tree.candidates()
+    own, first = torch.zeros(K, dtype=torch.int64, device="cuda"), torch.tensor(K, device="cuda")
+    prev = expand_lanes_reference(logp0[:, None], tokens0[:, None], own, torch.tensor(0, device="cuda"))
+    calls = {
+        "select_tree": lambda: torch.ops.treespec.select_tree(scores, tokens, parents, roots, K, N),
+        "expand_lanes": lambda: torch.ops.treespec.expand_lanes(*steps[0], own, first, prev[3], prev[4], prev[5]),
+    }
+    return {name: time_graph(lambda f=f: [f() for _ in range(20)]) / 20 for name, f in calls.items()}
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     smoke = "--smoke" in sys.argv
@@ -76,6 +95,8 @@ def main() -> None:
                 run = functools.partial(one_round, tree, logp0, tokens0, roots, steps)
                 row["ops_us" if kernels else "torch_us"] = time_graph(run)
         row["equal"] = all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+        if not smoke:
+            row.update({f"{k}_us": v for k, v in op_latencies(K, S, N, B).items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args:
