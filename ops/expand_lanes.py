@@ -25,8 +25,8 @@ next_tokens, next_scores, next_mask, next_candidate, next_parent_lane : [B, K], 
 
 Order: higher score first, ties to the lower candidate id, NaN last (ties among NaN by id), the order of
 :func:`treecompile.ops.select_tree.rank_order`. ``torch.ops.treespec.expand_lanes(child_logp, child_tokens,
-own_bits, first_id, lane_scores=None, lane_mask=None, lane_candidate=None)`` needs ``R * K >= K`` (one lane at
-least) and ``R * K <= 4096``. Only metadata is checked at the boundary: no host sync, safe under CUDA-graph
+own_bits, first_id, lane_scores=None, lane_mask=None, lane_candidate=None)`` needs ``R >= 1`` lanes and
+``R * K <= 4096`` children a request. Only metadata is checked at the boundary: no host sync, safe under CUDA-graph
 capture.
 """
 
@@ -254,15 +254,12 @@ def expand_lanes_reference(child_logp, child_tokens, own_bits, first_id, lane_sc
     if lane_scores is None:  # the root's children: scores are the clamped log-probs themselves (no 0 + x)
         scores = child_logp.to(_score_dtype(child_logp, None)).clamp(max=0).reshape(B, K)
         parents = torch.full((B, K), -1, dtype=torch.int64, device=child_logp.device)
-        order = rank_order(scores, pairwise)[:, :K]
-        parent_lane = torch.div(order, K, rounding_mode="floor")
-        mask = own_bits.expand(B, K).clone()
     else:
         scores = (lane_scores.unsqueeze(2) + child_logp.to(lane_scores.dtype).clamp(max=0)).reshape(B, R * K)
         parents = lane_candidate.unsqueeze(2).expand(B, R, K).reshape(B, R * K)
-        order = rank_order(scores, pairwise)[:, :K]  # [B, K] flat child index, best first
-        parent_lane = torch.div(order, K, rounding_mode="floor")
-        mask = lane_mask.gather(1, parent_lane) | own_bits
+    order = rank_order(scores, pairwise)[:, :K]  # [B, K] flat child index, best first
+    parent_lane = torch.div(order, K, rounding_mode="floor")
+    mask = own_bits.expand(B, K).clone() if lane_mask is None else lane_mask.gather(1, parent_lane) | own_bits
     tokens = child_tokens.reshape(B, R * K)
     return (scores, parents, tokens.gather(1, order), scores.gather(1, order), mask, order + first_id,
             parent_lane)  # fmt: skip

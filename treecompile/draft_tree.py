@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from treecompile.compiling import batch_key, compile_inference
-from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device
+from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device, env_switch
 from treecompile.ops.expand_lanes import expand_lanes_reference
 from treecompile.ops.select_tree import _bit, ascending_unique, rank_order, select_tree_reference
 
@@ -123,10 +123,7 @@ def tree_kernels_from_env() -> bool:
     """``TREECOMPILE_TREE_KERNELS``: "1" runs each round's bookkeeping through the ``treespec::expand_lanes`` and
     ``treespec::select_tree`` ops (one kernel each on CUDA), "0" or unset through their torch references (sorts
     and gathers; the default: Inductor's kernels for them were faster on an H100)."""
-    raw = os.environ.get(TREE_KERNELS_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{TREE_KERNELS_ENV}={raw!r}: expected '0' (torch references) or '1' (the treespec ops)")
-    return raw == "1"
+    return env_switch(TREE_KERNELS_ENV, False)
 
 
 def _expand_op(pairwise: bool, kernels: bool):
@@ -158,11 +155,11 @@ def _expand_core(lane_scores, lane_mask, lane_candidate, child_logp, child_token
 
 
 def _select_core(scores: list, tokens: list, parents: list, root_tokens, K: int, N: int, pairwise: bool = False,
-                 kernel: bool = False):  # fmt: skip
+                 kernels: bool = False):  # fmt: skip
     """The best N-1 of the recorded candidates, numbered depth first, best child first (select()): the
     ``treespec::select_tree`` op (one kernel on CUDA) or its torch reference (two sorts)."""
     candidates = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
-    if kernel:
+    if kernels:
         return torch.ops.treespec.select_tree(*candidates, root_tokens, K, N)
     return select_tree_reference(*candidates, root_tokens, K, N, pairwise)
 

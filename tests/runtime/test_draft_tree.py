@@ -416,7 +416,7 @@ def test_tree_kernels_env(monkeypatch):
     monkeypatch.delenv("TREECOMPILE_TREE_KERNELS")
     assert not DraftTree(2, 3, 6).tree_kernels
     monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "on")
-    with pytest.raises(ValueError, match="TREECOMPILE_TREE_KERNELS='on': expected '0'"):
+    with pytest.raises(ValueError, match="TREECOMPILE_TREE_KERNELS: expected 0 or 1, got 'on'"):
         DraftTree(2, 3, 6)
 
 
