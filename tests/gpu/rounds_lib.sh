@@ -2,7 +2,8 @@
 #   run_rounds NAME [VAR=VALUE ...] -- [COMMAND ...]
 # runs `COMMAND rounds --inductor --nodes 64 --reps 10 --no-hf` (COMMAND defaults to `python3 -m treecompile.bench`)
 # with the variables set, under a T_ROUNDS time limit (default 170 s); the log and JSON go to $OUT as
-# rounds_NAME_<start>.{log,json}, and the table's treecompile rows are echoed.
+# rounds_NAME_<start>.{log,json}, and the table's treecompile rows are echoed. PROFILE=1 adds --profile
+# $OUT/prof_NAME (torch.profiler kernel tables of each round).
 run_rounds() {
   local name=$1 vars=() cmd=() start
   shift
@@ -12,7 +13,7 @@ run_rounds() {
   [ ${#cmd[@]} -eq 0 ] && cmd=(python3 -m treecompile.bench)
   start=$(date +%s)
   env PYTHONUNBUFFERED=1 ${vars[@]+"${vars[@]}"} timeout "${T_ROUNDS:-170}" "${cmd[@]}" rounds --inductor --nodes 64 --reps 10 \
-    --no-hf --json "$OUT/rounds_${name}_$start.json" > "$OUT/rounds_${name}_$start.log" 2>&1
+    --no-hf --json "$OUT/rounds_${name}_$start.json" ${PROFILE:+--profile "$OUT/prof_${name}"} > "$OUT/rounds_${name}_$start.log" 2>&1
   echo "rounds $name rc=$? in $(( $(date +%s) - start )) s"
   grep -E "^\| treecompile|shapes installed|fuse_residual_norm" "$OUT/rounds_${name}_$start.log" | head -5
 }

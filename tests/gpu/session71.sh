@@ -10,6 +10,7 @@
 #   both    the two together.
 #   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.
 #   default neither (run first and last: the machine's drift).
+#   prof    default with --profile: kernel tables and Chrome traces per round (tests/gpu/trace_gaps.py reads them).
 # GPU tests first (TEST_K over the two tree ops', the draft tree's, the norm pass's and the ops' norm paths'), then
 # tests/gpu/tree_ops_bench.py: the bookkeeping alone in a CUDA graph, torch against the ops.
 set -u
@@ -33,6 +34,7 @@ fi
 for v in ${VARIANTS:-$all}; do
   case $v in
     default) run_rounds "$v";;
+    prof) PROFILE=1 run_rounds "$v";;
     treek) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1;;
     norm) run_rounds "$v" TREECOMPILE_FUSE_NORM=1;;
     both) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1;;

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from conftest import gpu_script
 from treecompile.bench import rounds
 from treecompile.bench.__main__ import BENCHES
 
@@ -145,3 +146,22 @@ def test_registered_and_bad_options_are_refused(capsys):
     if not torch.cuda.is_available():
         assert rounds.main([]) == 2
         assert "needs a CUDA device (or --smoke)" in capsys.readouterr().out
+
+
+def test_trace_gaps_splits_replays_and_measures_idle_time(tmp_path, capsys):
+    """tests/gpu/trace_gaps.py on a made-up trace: two replays 1 ms apart, each 3 kernels with gaps of 2 and 5 us."""
+    events = []
+    for base in (0.0, 1000.0):
+        for start, dur, name in ((0.0, 10.0, "gemm"), (12.0, 3.0, "norm"), (20.0, 10.0, "gemm")):
+            events.append({"ph": "X", "cat": "kernel", "ts": base + start, "dur": dur, "name": name})
+    events.append({"ph": "X", "cat": "cpu_op", "ts": 5.0, "dur": 900.0, "name": "host"})  # not a kernel: ignored
+    path = tmp_path / "draft.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    tg = gpu_script("trace_gaps")
+    groups = tg.replays(tg.kernels(str(path)), split_gap_us=200.0)
+    assert [len(g) for g in groups] == [3, 3]
+    assert tg.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("span 30.0 us, busy 23.0 us, idle 7.0 us") == 2
+    assert "5.00  norm  ->  gemm" in out and "2.00  gemm  ->  norm" in out
+    assert "20.0    2   10.00  gemm" in out

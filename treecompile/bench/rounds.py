@@ -337,7 +337,8 @@ class RoundsBench:
 
     def _profile(self, row: Row, run: Callable[[], None], name: str, pre=None, replays: int = 5) -> None:
         """Kernel time per kernel name over ``replays`` runs of ``run`` (torch.profiler, CUDA activity),
-        written to ``<profile_dir>/<name>.txt``: where a round's time goes. Best effort."""
+        written to ``<profile_dir>/<name>.txt`` (and, on CUDA, the Chrome trace to ``<name>.trace.json``): where
+        a round's time goes. Best effort."""
         import os
 
         from torch.profiler import ProfilerActivity, profile
@@ -356,6 +357,8 @@ class RoundsBench:
             path = os.path.join(self.setup.profile_dir, f"{name}.txt")
             with open(path, "w") as f:
                 f.write(f"{row.label}: {row.ms:.3f} ms per run (timed); profile of {replays} runs\n\n{table}\n")
+            if self.setup.graphs:  # the kernels in time order: the gaps between them are a round's idle time
+                prof.export_chrome_trace(os.path.join(self.setup.profile_dir, f"{name}.trace.json"))
             _say(f"{row.label}: profile written to {path}")
         except Exception as exc:  # noqa: BLE001 - a profile is a diagnostic, never a reason to fail the run
             _say(f"{row.label}: profile failed: {_reason(exc)}")
