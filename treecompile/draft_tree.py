@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from treecompile.compiling import batch_key, compile_inference
-from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device, env_switch
+from treecompile.ops._common import MAX_NODES, check_dim, check_dtype, check_same_device
 from treecompile.ops.expand_lanes import expand_lanes_reference
 from treecompile.ops.select_tree import _bit, ascending_unique, rank_order, select_tree_reference
 
@@ -119,11 +119,32 @@ def pairwise_rank_from_env() -> bool:
     return raw == "1"
 
 
-def tree_kernels_from_env() -> bool:
+# tree_kernels setting -> (expand_lanes op, select_tree op)
+TREE_KERNEL_MODES = {"0": (False, False), "1": (True, True), "expand": (True, False), "select": (False, True)}
+
+
+def tree_kernels_from_env() -> str:
     """``TREECOMPILE_TREE_KERNELS``: "1" runs each round's bookkeeping through the ``treespec::expand_lanes`` and
-    ``treespec::select_tree`` ops (one kernel each on CUDA), "0" or unset through their torch references (sorts
-    and gathers; the default: Inductor's kernels for them were faster on an H100)."""
-    return env_switch(TREE_KERNELS_ENV, False)
+    ``treespec::select_tree`` ops (one kernel each on CUDA), "expand" or "select" through that one op only, "0"
+    or unset through their torch references (sorts and gathers; the default: Inductor's kernels for them were
+    faster on an H100). The one-op settings exist because the two ops measured apart differ (H100, forty-fifth
+    session, ``tests/gpu/tree_ops_bench.py``, one launch in a CUDA graph: expand_lanes 2.37 us a step,
+    select_tree 20.0 us against a round's torch bookkeeping of 31.4 us in all)."""
+    value = os.environ.get(TREE_KERNELS_ENV, "").strip() or "0"
+    if value not in TREE_KERNEL_MODES:
+        raise ValueError(f"{TREE_KERNELS_ENV}: expected one of {', '.join(TREE_KERNEL_MODES)}, got {value!r}")
+    return value
+
+
+def _tree_kernel_mode(tree_kernels) -> tuple[bool, bool]:
+    """``DraftTree(tree_kernels=...)`` -> (expand_lanes op, select_tree op)."""
+    if tree_kernels is None:
+        return TREE_KERNEL_MODES[tree_kernels_from_env()]
+    if isinstance(tree_kernels, bool):
+        return (tree_kernels, tree_kernels)
+    if tree_kernels in ("expand", "select"):
+        return TREE_KERNEL_MODES[tree_kernels]
+    raise ValueError(f"tree_kernels: expected True, False, 'expand' or 'select', got {tree_kernels!r}")
 
 
 def _expand_op(pairwise: bool, kernels: bool):
@@ -188,16 +209,17 @@ class DraftTree:
     pairwise_rank : bool
         Rank candidates by pairwise comparison instead of sorting (:func:`ascending_unique`; same trees).
         Default from ``TREECOMPILE_PAIRWISE_RANK`` ("1" on; off unless set), for A/B runs on the GPU.
-    tree_kernels : bool
+    tree_kernels : bool or "expand" or "select"
         Record each step and select the tree with the ``treespec::expand_lanes`` and ``treespec::select_tree``
         ops (:mod:`treecompile.ops.expand_lanes`, :mod:`treecompile.ops.select_tree`: on CUDA one kernel a
         step and one for the selection, in place of ~2 a step and ~10; the same lanes and trees) instead of
-        their torch references. Default from ``TREECOMPILE_TREE_KERNELS`` ("1" on; off unless set: on an H100
-        they took 35.1 us a round where Inductor's kernels take 31.1, forty-fourth session).
+        their torch references; "expand" or "select": that op only. Default from ``TREECOMPILE_TREE_KERNELS``
+        (:func:`tree_kernels_from_env`; off unless set: on an H100 both together took 35.1 us a round where
+        Inductor's kernels take 31.1, forty-fourth session). Read back as ``expand_kernel`` / ``select_kernel``.
     """
 
     def __init__(self, topk: int, steps: int, num_nodes: int, *, inductor: bool = False,
-                 pairwise_rank: bool | None = None, tree_kernels: bool | None = None):  # fmt: skip
+                 pairwise_rank: bool | None = None, tree_kernels: bool | str | None = None):  # fmt: skip
         for name, value in (("topk", topk), ("steps", steps), ("num_nodes", num_nodes)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}: expected a Python int, got {type(value).__name__}")
@@ -225,7 +247,7 @@ class DraftTree:
         self.num_candidates = num_candidates
         self.lane_window = lane_window
         self.pairwise_rank = pairwise_rank_from_env() if pairwise_rank is None else bool(pairwise_rank)
-        self.tree_kernels = tree_kernels_from_env() if tree_kernels is None else bool(tree_kernels)
+        self.expand_kernel, self.select_kernel = _tree_kernel_mode(tree_kernels)
         # Per-step records, in candidate-id order; rebuilt by every begin().
         self._scores: list[torch.Tensor] = []
         self._tokens: list[torch.Tensor] = []
@@ -288,7 +310,7 @@ class DraftTree:
 
         own_bits, first_ids = self._constants(logp0.device)
         scores, tokens, parents, lane_tokens, lane_scores, mask, order = self._begin_fn(
-            logp0, tokens0, own_bits[0], first_ids[0], self.pairwise_rank, self.tree_kernels)
+            logp0, tokens0, own_bits[0], first_ids[0], self.pairwise_rank, self.expand_kernel)
         self._scores, self._tokens, self._parents = [scores], [tokens], [parents]
         self._next_step = 1
         return LaneState(tokens=lane_tokens, scores=lane_scores, mask=mask, candidate=order,
@@ -336,7 +358,7 @@ class DraftTree:
         own_bits, first_ids = self._constants(child_logp.device)
         scores, tokens, parents, lane_tokens, lane_scores, mask, candidate, parent_lane = self._expand_fn(
             lanes.scores, lanes.mask, lanes.candidate, child_logp, child_tokens, own_bits[s], first_ids[s],
-            self.pairwise_rank, self.tree_kernels)
+            self.pairwise_rank, self.expand_kernel)
         self._scores.append(scores)
         self._tokens.append(tokens)
         self._parents.append(parents)
@@ -385,6 +407,6 @@ class DraftTree:
 
         tokens, parents, depth, ancestor_mask, candidate = self._select_fn(
             self._scores, self._tokens, self._parents, root_tokens, self.topk, self.num_nodes, self.pairwise_rank,
-            self.tree_kernels)
+            self.select_kernel)
         return TreeBatch(tokens=tokens, parents=parents, depth=depth, ancestor_mask=ancestor_mask,
                          candidate=candidate)  # fmt: skip

@@ -6,6 +6,8 @@
 #           profile, notes/gpu-2026-12-05-s42/prof_h100_glu_pdl0/draft.txt). The H200 draft is 1.33x its floor
 #           against 1.3x: ~30 us over. On an H100 (forty-fourth session) it lost: draft +8 us, bookkeeping 35.1 us
 #           against 31.1 (tests/gpu/tree_ops_bench.py, which now times each op alone too).
+#   treek_expand  TREECOMPILE_TREE_KERNELS=expand: the expand_lanes op only (H100, forty-fifth session, one launch:
+#           2.37 us a step; select_tree alone 20.0 us, where a round's whole torch bookkeeping is 31.4).
 #   norm    TREECOMPILE_FUSE_NORM=1: passes/fuse_residual_norm.py version 2 (producer epilogue; never timed).
 #   both    the two together.
 #   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.
@@ -36,6 +38,7 @@ for v in ${VARIANTS:-$all}; do
     default) run_rounds "$v";;
     prof) PROFILE=1 run_rounds "$v";;
     treek) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1;;
+    treek_expand) run_rounds "$v" TREECOMPILE_TREE_KERNELS=expand;;
     norm) run_rounds "$v" TREECOMPILE_FUSE_NORM=1;;
     both) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1;;
     o_triton) run_rounds "$v" TREECOMPILE_FUSE_NORM=1 -- python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json \

@@ -3,7 +3,12 @@
 kernel end), the kernels' busy time, the idle gaps, and the kernels summed by name; then the largest gaps with the
 kernels on either side. Runs anywhere (CPU): it only reads the JSON.
 
-    python3 tests/gpu/trace_gaps.py TRACE.json [--top 15] [--by-name 25]
+Under programmatic dependent launches a kernel starts while its predecessor runs and waits inside (``gdc_wait``),
+so its own duration counts that wait and busy time can exceed the span. The "timeline share" column charges each
+kernel only for how far it pushes the round's end: ``end - max(previous ends)``, at least 0, in start order. Those
+shares sum to the span less its idle gaps, and they are what removing or speeding up the kernel could save.
+
+    python3 tests/gpu/trace_gaps.py TRACE.json [--replays 5] [--top 15] [--by-name 25]
 """
 
 from __future__ import annotations
@@ -44,8 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15, help="largest gaps listed (last replay)")
     parser.add_argument("--by-name", type=int, default=25, help="kernel names listed by total time (last replay)")
     parser.add_argument("--split-gap", type=float, default=200.0, help="idle us that separates two replays")
+    parser.add_argument("--replays", type=int, default=0,
+                        help="cut the stream into this many equal runs of kernels instead (replays back to back)")
     args = parser.parse_args(argv)
-    groups = replays(kernels(args.trace), args.split_gap)
+    events = kernels(args.trace)
+    if args.replays > 0 and len(events) % args.replays == 0:
+        n = len(events) // args.replays
+        groups = [events[i * n:(i + 1) * n] for i in range(args.replays)]
+    else:
+        groups = replays(events, args.split_gap)
     if not groups:
         print("no kernel events in", args.trace)
         return 1
@@ -61,12 +73,30 @@ def main(argv: list[str] | None = None) -> int:
     for gap, n0, n1 in sorted(gaps, reverse=True)[: args.top]:
         print(f"  {gap:7.2f}  {n0[:60]}  ->  {n1[:60]}")
     by_name: dict[str, list[float]] = collections.defaultdict(list)
+    share: dict[str, float] = collections.defaultdict(float)
+    for n, extra in timeline_shares(last):
+        share[n] += extra
     for _, d, n in last:
         by_name[n].append(d)
-    print(f"\nkernels of the last replay by total time (us): total, count, mean")
-    for n, ds in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.by_name]:
-        print(f"  {sum(ds):8.1f} {len(ds):4d} {sum(ds) / len(ds):7.2f}  {n[:100]}")
+    print(f"\nkernels of the last replay by timeline share (us): share, total, count, mean")
+    for n, ds in sorted(by_name.items(), key=lambda kv: -share[kv[0]])[: args.by_name]:
+        print(f"  {share[n]:8.1f} {sum(ds):8.1f} {len(ds):4d} {sum(ds) / len(ds):7.2f}  {n[:100]}")
+    print(f"  {sum(share.values()):8.1f} in all")
     return 0
+
+
+def timeline_shares(events: list[tuple[float, float, str]]) -> list[tuple[str, float]]:
+    """``(name, us)`` per kernel, in start order: how far its end passes every earlier kernel's end."""
+    out, reach = [], None
+    for start, dur, name in events:
+        end = start + dur
+        if reach is None:
+            out.append((name, dur))
+            reach = end
+        else:
+            out.append((name, max(0.0, end - max(reach, start))))
+            reach = max(reach, end)
+    return out
 
 
 if __name__ == "__main__":

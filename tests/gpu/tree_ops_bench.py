@@ -1,4 +1,5 @@
-"""A draft round's tree bookkeeping alone, with and without the treespec tree ops (``TREECOMPILE_TREE_KERNELS``):
+"""A draft round's tree bookkeeping alone, with and without the treespec tree ops (``TREECOMPILE_TREE_KERNELS``: both,
+and the expand_lanes op alone with the torch selection, "expand_op_us"):
 DraftTree's begin, S-1 expands and select compiled by Inductor as in the speculator (``inductor=True``),
 captured in one CUDA graph with random log-probs, and timed by replays. Checks first that both give the same lanes
 and trees. The full 8B rounds (``treecompile.bench rounds``) time the same change inside a round, where a few us
@@ -88,13 +89,15 @@ def main() -> None:
     for K, S, N, B in CONFIGS[:1] if smoke else CONFIGS:
         (logp0, tokens0, roots), steps = inputs(K, S, B, device)
         results, row = {}, dict(K=K, S=S, N=N, B=B)
-        for kernels in (False, True):
+        for kernels, key in ((False, "torch_us"), (True, "ops_us"), ("expand", "expand_op_us")):
             tree = DraftTree(K, S, N, inductor=not smoke, tree_kernels=kernels)
             results[kernels] = one_round(tree, logp0, tokens0, roots, steps)
             if not smoke:
                 run = functools.partial(one_round, tree, logp0, tokens0, roots, steps)
-                row["ops_us" if kernels else "torch_us"] = time_graph(run)
-        row["equal"] = all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+                row[key] = time_graph(run)
+        row["equal"] = all(
+            torch.equal(a, b) for other in (True, "expand") for a, b in zip(results[False], results[other])
+        )
         if not smoke:
             row.update({f"{k}_us": v for k, v in op_latencies(K, S, N, B).items()})
         rows.append(row)

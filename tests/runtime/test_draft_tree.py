@@ -409,32 +409,45 @@ def test_pairwise_rank_env(monkeypatch):
 
 
 def test_tree_kernels_env(monkeypatch):
+    def ops(**kw):
+        tree = DraftTree(2, 3, 6, **kw)
+        return tree.expand_kernel, tree.select_kernel
+
     monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "1")
-    assert DraftTree(2, 3, 6).tree_kernels and not DraftTree(2, 3, 6, tree_kernels=False).tree_kernels
+    assert ops() == (True, True) and ops(tree_kernels=False) == (False, False)
+    monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "expand")
+    assert ops() == (True, False) and ops(tree_kernels="select") == (False, True)
+    monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "select")
+    assert ops() == (False, True) and ops(tree_kernels=True) == (True, True)
     monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "0")
-    assert not DraftTree(2, 3, 6).tree_kernels
+    assert ops() == (False, False)
     monkeypatch.delenv("TREECOMPILE_TREE_KERNELS")
-    assert not DraftTree(2, 3, 6).tree_kernels
+    assert ops() == (False, False)
     monkeypatch.setenv("TREECOMPILE_TREE_KERNELS", "on")
-    with pytest.raises(ValueError, match="TREECOMPILE_TREE_KERNELS: expected 0 or 1, got 'on'"):
+    with pytest.raises(ValueError, match="TREECOMPILE_TREE_KERNELS: expected one of 0, 1, expand, select, got 'on'"):
         DraftTree(2, 3, 6)
+    monkeypatch.delenv("TREECOMPILE_TREE_KERNELS")
+    with pytest.raises(ValueError, match="tree_kernels: expected True, False, 'expand' or 'select', got 'both'"):
+        DraftTree(2, 3, 6, tree_kernels="both")
 
 
-@pytest.mark.parametrize("mode", ["ties", "nan_rows"])
-def test_tree_kernels_give_the_same_lanes_and_trees(mode, monkeypatch, kernel_device):
+@pytest.mark.parametrize("mode, kernels", [("ties", True), ("nan_rows", True), ("ties", "expand")])
+def test_tree_kernels_give_the_same_lanes_and_trees(mode, kernels, monkeypatch, kernel_device):
     """``DraftTree(tree_kernels=True)`` through the ops' Triton launchers (on CPU forced on, in the interpreter):
-    the same lanes and trees as the torch references for configs up to 84 candidates, NaN rows and ties too."""
+    the same lanes and trees as the torch references for configs up to 84 candidates, NaN rows and ties too;
+    "expand" (the lanes by the op, the selection by torch) for two of them."""
     from treecompile.ops import expand_lanes, select_tree
 
     if kernel_device == "cpu":
         for module in (expand_lanes, select_tree):
             monkeypatch.setattr(module, "use_triton", lambda *tensors: True)
-    for K, S, N in [(1, 3, 2), (2, 3, 7), (3, 5, 33), (4, 6, 63), (64, 1, 64)]:
+    configs = [(1, 3, 2), (2, 3, 7), (3, 5, 33), (4, 6, 63), (64, 1, 64)] if kernels is True else [(2, 3, 7), (4, 5, 64)]
+    for K, S, N in configs:
         logp0, tokens0, steps, roots = make_inputs(K, S, 3, mode, torch.float32, seed=9)
         want_lanes, want = run_round(DraftTree(K, S, N), logp0, tokens0, steps, roots)
         on = [t.to(kernel_device) for t in (logp0, tokens0, roots)]
         steps = [(cl.to(kernel_device), ct.to(kernel_device)) for cl, ct in steps]
-        got_lanes, got = run_round(DraftTree(K, S, N, tree_kernels=True), on[0], on[1], steps, on[2])
+        got_lanes, got = run_round(DraftTree(K, S, N, tree_kernels=kernels), on[0], on[1], steps, on[2])
         for name in ("tokens", "parents", "depth", "ancestor_mask", "candidate"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (K, S, N, name)
         for g, w in zip(got_lanes, want_lanes):
