@@ -378,6 +378,12 @@ _REGISTERED: dict[tuple[int, int, int], tuple] = {}
 MAX_SPLIT_K = 16
 MAX_SLICES = 1 << 16  # output slices x row blocks one split-K launch may count in the counter table
 WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise of the sweep is ~1%)
+# TREECOMPILE_GEMV_KEEP_FOOTPRINT=1 (A/B, read at import): a gemv entry measured at m rows that stands in for more
+# (the nearest swept M, ``measured_tiles``) keeps its accumulator's size by a shorter K step. Why: an 8B draft
+# round's step 0 runs 6 rows on the H100's 4-row gemv entries in 8-row blocks, twice the accumulator (128 float32
+# registers a thread at [8, 8, 256] on 4 warps): fc 56 us against 39 measured at 4 rows, o 26 against 16, down 56
+# against 45 (forty-fifth session's trace, notes/gpu-2026-12-06-s45.md). Not yet timed with it.
+GEMV_KEEP_FOOTPRINT = os.environ.get("TREECOMPILE_GEMV_KEEP_FOOTPRINT", "").strip() == "1"
 KINDS = ("dot", "gemv", "gemv_pdl")
 
 
@@ -479,18 +485,19 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
         return None
     # Traced, the cache wrapper is skipped anyway (Dynamo warns of it): the plain function, then.
     config = _entry_config.__wrapped__ if torch.compiler.is_compiling() else _entry_config
-    return config(M, N, K, _nearest(M, swept))
+    m, entry = _nearest(M, swept)
+    return config(M, N, K, entry, m if GEMV_KEEP_FOOTPRINT else M)
 
 
-def _nearest(M: int, swept) -> tuple:
-    """The entry of the swept M nearest ``M`` (the smaller on a tie) among ``(m, entry)`` pairs. A loop:
+def _nearest(M: int, swept) -> tuple[int, tuple]:
+    """``(m, entry)`` of the swept M nearest ``M`` (the smaller on a tie) among ``(m, entry)`` pairs. A loop:
     Dynamo traces this from the drafter's compiled round (``linear_rows``), and ``min(..., key=...)`` breaks
     its graph for a symbolic row count."""
     best = None
     for m, entry in swept:
         if best is None or (abs(m - M), m) < (abs(best[0] - M), best[0]):
             best = (m, entry)
-    return best[1]
+    return best
 
 
 def swept_mma_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int] | None:
@@ -498,15 +505,20 @@ def swept_mma_tiles(M: int, N: int, K: int) -> tuple[int, int, int, int] | None:
     against cuBLAS or not, else None: the best Triton tiles a sweep found for that GEMM, for ops that fuse more
     than it (``skinny_qkv_rope``) and so run on Triton where the plain GEMM stays on cuBLAS."""
     swept = [(m, v) for m, v in _swept_rows(N, K).items() if _band(m) == _band(M) and _kind(v) == "dot"]
-    return tuple(_nearest(M, swept)[:4]) if swept else None
+    return tuple(_nearest(M, swept)[1][:4]) if swept else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _entry_config(M: int, N: int, K: int, entry: tuple) -> SkinnyConfig | None:
+def _entry_config(M: int, N: int, K: int, entry: tuple, measured_m: int | None = None) -> SkinnyConfig | None:
     """One table entry as the launch config for M rows (None where cuBLAS won). Cached by the entry's own
     values (a changed entry is another key): eager ``linear_rows`` calls ask at every launch, and building the
-    config costs several times the table scan."""
+    config costs several times the table scan. ``measured_m``: the rows the entry was swept at, given under
+    ``GEMV_KEEP_FOOTPRINT``: a gemv entry standing in for more rows than its block held then takes a shorter K
+    step, so its ``[BLOCK_M, BLOCK_N, BLOCK_K]`` accumulator stays the size that was measured."""
     block_n, block_k, warps, stages, us, cublas_us = entry[:6]
+    if measured_m is not None and _kind(entry) != "dot" and M > measured_m:
+        grow = (1 << (M - 1).bit_length()) // (1 << (measured_m - 1).bit_length())  # block rows: powers of two
+        block_k = max(16, block_k // grow)
     kind = _kind(entry)
     split_k = entry[7] if len(entry) > 7 else 1
     l2_prefetch = entry[8] if len(entry) > 8 else 0

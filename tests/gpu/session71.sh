@@ -8,6 +8,8 @@
 #           against 31.1 (tests/gpu/tree_ops_bench.py, which now times each op alone too).
 #   treek_expand  TREECOMPILE_TREE_KERNELS=expand: the expand_lanes op only (H100, forty-fifth session, one launch:
 #           2.37 us a step; select_tree alone 20.0 us, where a round's whole torch bookkeeping is 31.4).
+#   gemv_fp TREECOMPILE_GEMV_KEEP_FOOTPRINT=1: step 0's 6 rows on the H100's 4-row gemv entries with half the K
+#           step (ops/skinny_linear.py; the trace had fc 56, o 26, down 56 us against 39, 16, 45 at 4 rows).
 #   norm    TREECOMPILE_FUSE_NORM=1: passes/fuse_residual_norm.py version 2 (producer epilogue; never timed).
 #   both    the two together.
 #   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.
@@ -39,6 +41,7 @@ for v in ${VARIANTS:-$all}; do
     prof) PROFILE=1 run_rounds "$v";;
     treek) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1;;
     treek_expand) run_rounds "$v" TREECOMPILE_TREE_KERNELS=expand;;
+    gemv_fp) run_rounds "$v" TREECOMPILE_GEMV_KEEP_FOOTPRINT=1;;
     norm) run_rounds "$v" TREECOMPILE_FUSE_NORM=1;;
     both) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1;;
     o_triton) run_rounds "$v" TREECOMPILE_FUSE_NORM=1 -- python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json \

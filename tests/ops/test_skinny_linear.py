@@ -701,6 +701,24 @@ def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
         skinny_linear._gpu_class_of.cache_clear()
 
 
+def test_gemv_keep_footprint_shortens_the_k_step_of_a_stand_in_entry(monkeypatch):
+    """``TREECOMPILE_GEMV_KEEP_FOOTPRINT``: the H100's 4-row gemv entries standing in for 6 rows (8-row blocks) take
+    half the K step, so the accumulator stays the measured [4, N, K] size; the 4-row launch itself, MMA entries
+    and the switch off are unchanged."""
+    from treecompile.ops import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "gpu_class", lambda: "H100 SXM")
+    for footprint in (False, True):
+        monkeypatch.setattr(skinny_linear, "GEMV_KEEP_FOOTPRINT", footprint)
+        for N, K in ((4096, 12288), (4096, 4096), (4096, 14336)):  # the head's fc, o, down
+            four, six = skinny_linear.measured_tiles(4, N, K), skinny_linear.measured_tiles(6, N, K)
+            assert four.gemv and six.gemv and (four.block_m, six.block_m) == (4, 8)
+            assert six.block_k == (four.block_k // 2 if footprint else four.block_k), (N, K, footprint)
+            assert six.block_m * six.block_n * six.block_k <= (1 if footprint else 2) * four.block_m * four.block_n * four.block_k
+        mma = skinny_linear.measured_tiles(48, 28672, 4096)  # a 64-row MMA entry for 48 rows: no change
+        assert not mma.gemv and mma.block_k == skinny_linear.measured_tiles(64, 28672, 4096).block_k
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_routing_traces_without_a_graph_break(dynamic):
     """``linear_rows`` decides its route in Python, and the drafter calls it inside its compiled draft round:
