@@ -16,7 +16,8 @@
 #   default neither (run first and last: the machine's drift).
 #   prof    default with --profile: kernel tables and Chrome traces per round (tests/gpu/trace_gaps.py reads them).
 # GPU tests first (TEST_K over the two tree ops', the draft tree's, the norm pass's and the ops' norm paths'), then
-# tests/gpu/tree_ops_bench.py: the bookkeeping alone in a CUDA graph, torch against the ops.
+# tests/gpu/tree_ops_bench.py: the bookkeeping alone in a CUDA graph, torch against the ops. KERNELS="name ..." then
+# dumps those Inductor kernels' source-node comments (tests/gpu/inductor_kernels.py) into kernels.txt.
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -49,4 +50,8 @@ for v in ${VARIANTS:-$all}; do
     *) echo "unknown variant $v";;
   esac
 done
+if [ -n "${KERNELS:-}" ]; then  # what anonymous Inductor kernels of the profile fuse (their source-node comments)
+  python3 tests/gpu/inductor_kernels.py "$TORCHINDUCTOR_CACHE_DIR" "${KERNEL_MARKER:--}" $KERNELS > "$OUT/kernels.txt" 2>&1
+  echo "inductor kernels rc=$? ($(grep -c '^==' "$OUT/kernels.txt") found)"
+fi
 cd "$OUT" && tar czf raw.tgz --remove-files $(ls | grep -v -e "^raw.tgz$" -e "json$") && ls -la "$OUT"

@@ -165,3 +165,26 @@ def test_trace_gaps_splits_replays_and_measures_idle_time(tmp_path, capsys):
     assert out.count("span 30.0 us, busy 23.0 us, idle 7.0 us") == 2
     assert "5.00  norm  ->  gemm" in out and "2.00  gemm  ->  norm" in out
     assert "20.0    2   10.00  gemm" in out
+
+
+def test_inductor_kernels_reads_the_source_node_comments(tmp_path, capsys):
+    """tests/gpu/inductor_kernels.py on a made-up Inductor module: the comments above the named kernel only."""
+    module = (
+        "from torch._inductor.async_compile import AsyncCompile\n\n"
+        "# kernel path: /tmp/ic/ab/cab.py\n# Topologically Sorted Source Nodes: [sort], Original ATen: [aten.sort]\n"
+        "triton_per_fused_sort_0 = async_compile.triton('triton_per_fused_sort_0', '''\nbody\n''', device_str='cuda')\n\n"
+        "# kernel path: /tmp/ic/cd/ccd.py\n# Topologically Sorted Source Nodes: [mean, rsqrt], Original ATen: [aten.mean]\n"
+        "triton_red_fused_1 = async_compile.triton('triton_red_fused_1', '''\nx = 1\n''', device_str='cuda')\n"
+        "torch.ops.treespec.draft_topk.default\n"
+    )
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "cmod.py").write_text(module)
+    (tmp_path / "ab" / "other.py").write_text(module.replace("draft_topk", "verify"))
+    tool = gpu_script("inductor_kernels")
+    assert tool.main([str(tmp_path), "draft_topk", "triton_red_fused_1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== triton_red_fused_1 in") == 1 and "Original ATen: [aten.mean]" in out
+    assert "aten.sort" not in out and "(7 characters of kernel source)" in out
+    assert tool.main([str(tmp_path), "-", "triton_red_fused_1"]) == 0
+    assert capsys.readouterr().out.count("== triton_red_fused_1 in") == 2
+    assert tool.main([str(tmp_path), "draft_topk", "triton_red_fused_99"]) == 1
