@@ -10,6 +10,8 @@
 #           2.37 us a step; select_tree alone 20.0 us, where a round's whole torch bookkeeping is 31.4).
 #   gemv_fp TREECOMPILE_GEMV_KEEP_FOOTPRINT=1: step 0's 6 rows on the H100's 4-row gemv entries with half the K
 #           step (ops/skinny_linear.py; the trace had fc 56, o 26, down 56 us against 39, 16, 45 at 4 rows).
+#   nocombo TREECOMPILE_COMBO_KERNELS=0: the draft round's one- and two-program reductions (9-10 us against 3.4 for the
+#           8-program ones, forty-fifth session's trace) may be Inductor's combo kernels.
 #   norm    TREECOMPILE_FUSE_NORM=1: passes/fuse_residual_norm.py version 2 (producer epilogue; never timed).
 #   both    the two together.
 #   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.
@@ -43,6 +45,7 @@ for v in ${VARIANTS:-$all}; do
     treek) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1;;
     treek_expand) run_rounds "$v" TREECOMPILE_TREE_KERNELS=expand;;
     gemv_fp) run_rounds "$v" TREECOMPILE_GEMV_KEEP_FOOTPRINT=1;;
+    nocombo) run_rounds "$v" TREECOMPILE_COMBO_KERNELS=0;;
     norm) run_rounds "$v" TREECOMPILE_FUSE_NORM=1;;
     both) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1;;
     o_triton) run_rounds "$v" TREECOMPILE_FUSE_NORM=1 -- python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json \
