@@ -719,8 +719,9 @@ def test_gemv_keep_footprint_shortens_the_k_step_of_a_stand_in_entry(monkeypatch
         assert not mma.gemv and mma.block_k == skinny_linear.measured_tiles(64, 28672, 4096).block_k
 
 
+@pytest.mark.parametrize("footprint", [False, True], ids=["plain", "keep_footprint"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_routing_traces_without_a_graph_break(dynamic):
+def test_routing_traces_without_a_graph_break(dynamic, footprint, monkeypatch):
     """``linear_rows`` decides its route in Python, and the drafter calls it inside its compiled draft round:
     ``measured_tiles`` and ``gpu_class`` must trace in one graph (``fullgraph``), for static and symbolic row
     counts, and answer as eagerly. Before the forty-first session ``min(..., key=...)`` broke the graph for a
@@ -728,14 +729,20 @@ def test_routing_traces_without_a_graph_break(dynamic):
     in the forty-second session)."""
     from treecompile.ops import skinny_linear
 
+    if footprint:  # the H100's 4-row gemv entry standing in for 6 rows with a shorter K step (GEMV_KEEP_FOOTPRINT)
+        monkeypatch.setattr(skinny_linear, "GEMV_KEEP_FOOTPRINT", True)
+        monkeypatch.setattr(skinny_linear, "gpu_class", lambda: "H100 SXM")
+        assert skinny_linear.measured_tiles(6, 4096, 4096).block_k * 2 == skinny_linear.measured_tiles(4, 4096, 4096).block_k
+
     def route(x):
         cfg = skinny_linear.measured_tiles(x.shape[0], 4096, 4096)
         pdl = 1.0 if cfg is not None and cfg.pdl else 0.0
-        return x * (2.0 if cfg is not None else 3.0) + pdl + (skinny_linear.gpu_class() is None)
+        block_k = cfg.block_k / 1e4 if cfg is not None else 0.0
+        return x * (2.0 if cfg is not None else 3.0) + pdl + block_k + (skinny_linear.gpu_class() is None)
 
     torch._dynamo.reset()
     compiled = torch.compile(route, backend="eager", fullgraph=True, dynamic=dynamic)
-    for M in (1, 3, 4, 64, 100):  # decode, draft lanes (nearest swept M), a verify tree, a batch (no entry)
+    for M in (1, 3, 4, 6, 64, 100):  # decode, draft lanes (nearest swept M), step 0, a verify tree, a batch
         x = torch.ones(M, 2)
         assert torch.equal(compiled(x), route(x)), M
     # the scan above met table entries (the min over them was the break), one of them a win
