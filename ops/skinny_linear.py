@@ -486,7 +486,7 @@ def measured_tiles(M: int, N: int, K: int) -> SkinnyConfig | None:
     # Traced, the cache wrapper is skipped anyway (Dynamo warns of it): the plain function, then.
     config = _entry_config.__wrapped__ if torch.compiler.is_compiling() else _entry_config
     m, entry = _nearest(M, swept)
-    return config(M, N, K, entry, m if GEMV_KEEP_FOOTPRINT else M)
+    return config(M, N, K, entry, m if GEMV_KEEP_FOOTPRINT else None)
 
 
 def _nearest(M: int, swept) -> tuple[int, tuple]:
@@ -516,10 +516,10 @@ def _entry_config(M: int, N: int, K: int, entry: tuple, measured_m: int | None =
     ``GEMV_KEEP_FOOTPRINT``: a gemv entry standing in for more rows than its block held then takes a shorter K
     step, so its ``[BLOCK_M, BLOCK_N, BLOCK_K]`` accumulator stays the size that was measured."""
     block_n, block_k, warps, stages, us, cublas_us = entry[:6]
-    if measured_m is not None and _kind(entry) != "dot" and M > measured_m:
+    kind = _kind(entry)
+    if measured_m is not None and kind != "dot" and M > measured_m:
         grow = (1 << (M - 1).bit_length()) // (1 << (measured_m - 1).bit_length())  # block rows: powers of two
         block_k = max(16, block_k // grow)
-    kind = _kind(entry)
     split_k = entry[7] if len(entry) > 7 else 1
     l2_prefetch = entry[8] if len(entry) > 8 else 0
     block_m = entry[9] if len(entry) > 9 else 0

@@ -20,7 +20,8 @@ def modules(cache_dir: str, marker: str):
             if name.endswith(".py"):
                 path = os.path.join(root, name)
                 try:
-                    text = open(path, errors="replace").read()
+                    with open(path, errors="replace") as f:
+                        text = f.read()
                 except OSError:
                     continue
                 if marker == "-" or marker in text:

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     gaps = []
     for (s0, d0, n0), (s1, _, n1) in zip(last, last[1:]):
         gaps.append((s1 - (s0 + d0), n0, n1))
-    print(f"\nlargest gaps of the last replay (us):")
+    print("\nlargest gaps of the last replay (us):")
     for gap, n0, n1 in sorted(gaps, reverse=True)[: args.top]:
         print(f"  {gap:7.2f}  {n0[:60]}  ->  {n1[:60]}")
     by_name: dict[str, list[float]] = collections.defaultdict(list)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         share[n] += extra
     for _, d, n in last:
         by_name[n].append(d)
-    print(f"\nkernels of the last replay by timeline share (us): share, total, count, mean")
+    print("\nkernels of the last replay by timeline share (us): share, total, count, mean")
     for n, ds in sorted(by_name.items(), key=lambda kv: -share[kv[0]])[: args.by_name]:
         print(f"  {share[n]:8.1f} {sum(ds):8.1f} {len(ds):4d} {sum(ds) / len(ds):7.2f}  {n[:100]}")
     print(f"  {sum(share.values()):8.1f} in all")
