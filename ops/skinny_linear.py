@@ -378,12 +378,14 @@ _REGISTERED: dict[tuple[int, int, int], tuple] = {}
 MAX_SPLIT_K = 16
 MAX_SLICES = 1 << 16  # output slices x row blocks one split-K launch may count in the counter table
 WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise of the sweep is ~1%)
-# TREECOMPILE_GEMV_KEEP_FOOTPRINT=1 (A/B, read at import): a gemv entry measured at m rows that stands in for more
-# (the nearest swept M, ``measured_tiles``) keeps its accumulator's size by a shorter K step. Why: an 8B draft
-# round's step 0 runs 6 rows on the H100's 4-row gemv entries in 8-row blocks, twice the accumulator (128 float32
-# registers a thread at [8, 8, 256] on 4 warps): fc 56 us against 39 measured at 4 rows, o 26 against 16, down 56
-# against 45 (forty-fifth session's trace, notes/gpu-2026-12-06-s45.md). Not yet timed with it.
-GEMV_KEEP_FOOTPRINT = os.environ.get("TREECOMPILE_GEMV_KEEP_FOOTPRINT", "").strip() == "1"
+# A gemv entry measured at m rows that stands in for more (the nearest swept M, ``measured_tiles``) keeps its
+# accumulator's size by a shorter K step. Why: an 8B draft round's step 0 runs 6 rows on the H100's 4-row gemv
+# entries in 8-row blocks, twice the accumulator (128 float32 registers a thread at [8, 8, 256] on 4 warps): fc 56
+# us against 39 measured at 4 rows, o 26 against 16, down 56 against 45 (forty-fifth session's trace,
+# notes/gpu-2026-12-06-s45.md). With the shorter step the H100's draft round went 1.627 -> 1.613 ms (median of
+# three A/B pairs, forty-sixth session, notes/gpu-2026-12-06-s46.md); verify and decode unchanged, H200 untimed.
+# TREECOMPILE_GEMV_KEEP_FOOTPRINT=0 (read at import) turns it off for A/B runs.
+GEMV_KEEP_FOOTPRINT = os.environ.get("TREECOMPILE_GEMV_KEEP_FOOTPRINT", "1").strip() != "0"
 KINDS = ("dot", "gemv", "gemv_pdl")
 
 
@@ -513,7 +515,7 @@ def _entry_config(M: int, N: int, K: int, entry: tuple, measured_m: int | None =
     """One table entry as the launch config for M rows (None where cuBLAS won). Cached by the entry's own
     values (a changed entry is another key): eager ``linear_rows`` calls ask at every launch, and building the
     config costs several times the table scan. ``measured_m``: the rows the entry was swept at, given under
-    ``GEMV_KEEP_FOOTPRINT``: a gemv entry standing in for more rows than its block held then takes a shorter K
+    ``GEMV_KEEP_FOOTPRINT`` (the default): a gemv entry standing in for more rows than its block held then takes a shorter K
     step, so its ``[BLOCK_M, BLOCK_N, BLOCK_K]`` accumulator stays the size that was measured."""
     block_n, block_k, warps, stages, us, cublas_us = entry[:6]
     kind = _kind(entry)

@@ -8,6 +8,7 @@
 #           against 31.1 (tests/gpu/tree_ops_bench.py, which now times each op alone too).
 #   treek_expand  TREECOMPILE_TREE_KERNELS=expand: the expand_lanes op only (H100, forty-fifth session, one launch:
 #           2.37 us a step; select_tree alone 20.0 us, where a round's whole torch bookkeeping is 31.4).
+#   gemv_plain TREECOMPILE_GEMV_KEEP_FOOTPRINT=0: the default before the forty-sixth session (gemv_fp below, now on).
 #   gemv_fp TREECOMPILE_GEMV_KEEP_FOOTPRINT=1: step 0's 6 rows on the H100's 4-row gemv entries with half the K
 #           step (ops/skinny_linear.py; the trace had fc 56, o 26, down 56 us against 39, 16, 45 at 4 rows).
 #   nocombo TREECOMPILE_COMBO_KERNELS=0: the draft round's one- and two-program reductions (9-10 us against 3.4 for the
@@ -45,6 +46,7 @@ for v in ${VARIANTS:-$all}; do
     treek) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1;;
     treek_expand) run_rounds "$v" TREECOMPILE_TREE_KERNELS=expand;;
     gemv_fp) run_rounds "$v" TREECOMPILE_GEMV_KEEP_FOOTPRINT=1;;
+    gemv_plain) run_rounds "$v" TREECOMPILE_GEMV_KEEP_FOOTPRINT=0;;
     nocombo) run_rounds "$v" TREECOMPILE_COMBO_KERNELS=0;;
     norm) run_rounds "$v" TREECOMPILE_FUSE_NORM=1;;
     both) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1;;
