@@ -1,9 +1,11 @@
 """What an anonymous Inductor kernel of a profile fuses: finds the compiled-graph modules in an Inductor cache that
 mention MARKER (e.g. ``draft_topk``: the draft round's graph; ``-``: every module) and prints, for each named kernel, the "Source
 Nodes" / "Original ATen" comments Inductor writes above it. Profiles name combo and long kernels only
-``triton_red_fused_17``; this says which ops they are.
+``triton_red_fused_17``; this says which ops they are. Where those comments are empty (the forty-sixth session's
+draft round: "Unsorted Source Nodes: []"), ``--source`` also prints the kernel's source and the lines of the
+module's ``call`` around each launch of it (the buffers it reads and writes, and the comments there).
 
-    python3 tests/gpu/inductor_kernels.py CACHE_DIR MARKER NAME [NAME ...]
+    python3 tests/gpu/inductor_kernels.py [--source] CACHE_DIR MARKER NAME [NAME ...]
 """
 
 from __future__ import annotations
@@ -41,7 +43,32 @@ def kernel_comments(text: str, name: str) -> list[str]:
     return found
 
 
+def kernel_source(text: str, name: str, max_lines: int = 160) -> list[str]:
+    """The kernel's Triton source (the string handed to ``async_compile.triton``), at most ``max_lines`` lines."""
+    found = []
+    for m in re.finditer(rf"^{re.escape(name)} = async_compile\.triton\(", text, re.M):
+        start = text.find("'''", m.end()) + 3
+        end = text.find("'''", start)
+        if start >= 3 and end > 0:
+            lines = text[start:end].strip("\n").splitlines()
+            found.extend(lines[:max_lines] + ([f"# ... {len(lines) - max_lines} more lines"] if len(lines) > max_lines else []))
+    return found
+
+
+def launch_sites(text: str, name: str, before: int = 6, after: int = 1) -> list[str]:
+    """The lines around each ``name.run(`` in the module (its arguments, the buffers' allocations and comments)."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if f"{name}.run(" in line:
+            found.append(f"# launch at line {i + 1}:")
+            found.extend(lines[max(0, i - before) : i + 1 + after])
+    return found
+
+
 def main(argv: list[str]) -> int:
+    source = "--source" in argv
+    argv = [a for a in argv if a != "--source"]
     if len(argv) < 3:
         print(__doc__)
         return 2
@@ -54,6 +81,9 @@ def main(argv: list[str]) -> int:
                 any_found = True
                 print(f"== {name} in {path}")
                 print("\n".join(lines))
+                if source:
+                    print("\n".join(launch_sites(text, name)))
+                    print("\n".join(kernel_source(text, name)))
     return 0 if any_found else 1
 
 

@@ -56,7 +56,7 @@ for v in ${VARIANTS:-$all}; do
   esac
 done
 if [ -n "${KERNELS:-}" ]; then  # what anonymous Inductor kernels of the profile fuse (their source-node comments)
-  python3 tests/gpu/inductor_kernels.py "$TORCHINDUCTOR_CACHE_DIR" "${KERNEL_MARKER:--}" $KERNELS > "$OUT/kernels.txt" 2>&1
+  python3 tests/gpu/inductor_kernels.py --source "$TORCHINDUCTOR_CACHE_DIR" "${KERNEL_MARKER:--}" $KERNELS > "$OUT/kernels.txt" 2>&1
   echo "inductor kernels rc=$? ($(grep -c '^==' "$OUT/kernels.txt") found)"
 fi
 cd "$OUT" && tar czf raw.tgz --remove-files $(ls | grep -v -e "^raw.tgz$" -e "json$") && ls -la "$OUT"

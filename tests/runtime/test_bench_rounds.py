@@ -188,3 +188,25 @@ def test_inductor_kernels_reads_the_source_node_comments(tmp_path, capsys):
     assert tool.main([str(tmp_path), "-", "triton_red_fused_1"]) == 0
     assert capsys.readouterr().out.count("== triton_red_fused_1 in") == 2
     assert tool.main([str(tmp_path), "draft_topk", "triton_red_fused_99"]) == 1
+    capsys.readouterr()
+
+
+def test_inductor_kernels_prints_the_source_and_the_launches(tmp_path, capsys):
+    """``--source``: the named kernel's own source and the lines before each of its launches in ``call``, not
+    another kernel's."""
+    module = (
+        "triton_per_fused_sort_0 = async_compile.triton('triton_per_fused_sort_0', '''\nsort_body\n''')\n\n"
+        "triton_red_fused_1 = async_compile.triton('triton_red_fused_1', '''\ndef k(in_ptr0):\n    tl.load(in_ptr0)\n''')\n"
+        "def call(args):\n    buf7 = empty((4, 4096))\n    # Source Nodes: [embeds]\n"
+        "    triton_red_fused_1.run(arg3_1, buf7, 4, 4096, stream=stream0)\n"
+        "    triton_per_fused_sort_0.run(buf7, stream=stream0)\n"
+    )
+    (tmp_path / "cmod.py").write_text(module)
+    tool = gpu_script("inductor_kernels")
+    assert tool.main(["--source", str(tmp_path), "-", "triton_red_fused_1"]) == 0
+    out = capsys.readouterr().out
+    assert "    tl.load(in_ptr0)" in out and "sort_body" not in out
+    assert "# launch at line 12:" in out and "triton_red_fused_1.run(arg3_1, buf7" in out
+    assert "# Source Nodes: [embeds]" in out
+    assert tool.main([str(tmp_path), "-", "triton_red_fused_1"]) == 0
+    assert "tl.load" not in capsys.readouterr().out  # without --source: the comments only
