@@ -13,6 +13,9 @@
 #           step (ops/skinny_linear.py; the trace had fc 56, o 26, down 56 us against 39, 16, 45 at 4 rows).
 #   nocombo TREECOMPILE_COMBO_KERNELS=0: the draft round's one- and two-program reductions (9-10 us against 3.4 for the
 #           8-program ones, forty-fifth session's trace) may be Inductor's combo kernels.
+#   cdt     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1: Inductor tunes each kernel's blocks and warps at compile time (the
+#           draft round's one-program reductions at a lane step's start: the gathered parent rows' and the new tokens'
+#           embeddings' RMSNorms, 9-10 us where the 8-program ones take 3.4).
 #   norm    TREECOMPILE_FUSE_NORM=1: passes/fuse_residual_norm.py version 2 (producer epilogue; never timed).
 #   both    the two together.
 #   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.
@@ -48,6 +51,7 @@ for v in ${VARIANTS:-$all}; do
     gemv_fp) run_rounds "$v" TREECOMPILE_GEMV_KEEP_FOOTPRINT=1;;
     gemv_plain) run_rounds "$v" TREECOMPILE_GEMV_KEEP_FOOTPRINT=0;;
     nocombo) run_rounds "$v" TREECOMPILE_COMBO_KERNELS=0;;
+    cdt) run_rounds "$v" TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1;;
     norm) run_rounds "$v" TREECOMPILE_FUSE_NORM=1;;
     both) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1;;
     o_triton) run_rounds "$v" TREECOMPILE_FUSE_NORM=1 -- python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json \
