@@ -3,7 +3,8 @@ mention MARKER (e.g. ``draft_topk``: the draft round's graph; ``-``: every modul
 Nodes" / "Original ATen" comments Inductor writes above it. Profiles name combo and long kernels only
 ``triton_red_fused_17``; this says which ops they are. Where those comments are empty (the forty-sixth session's
 draft round: "Unsorted Source Nodes: []"), ``--source`` also prints the kernel's source and the lines of the
-module's ``call`` around each launch of it (the buffers it reads and writes, and the comments there).
+module's ``call`` around each launch of it (the buffers it reads and writes, and the comments there), and the
+autotuner's pick for it (``.best_config``).
 
     python3 tests/gpu/inductor_kernels.py [--source] CACHE_DIR MARKER NAME [NAME ...]
 """
@@ -55,6 +56,30 @@ def kernel_source(text: str, name: str, max_lines: int = 160) -> list[str]:
     return found
 
 
+def best_configs(comments: list[str]) -> list[str]:
+    """The autotuner's pick for the kernel: the ``.best_config`` files in the directory of each ``# kernel path:`` in
+    its comments (XBLOCK, R0_BLOCK, num_warps: which of Inductor's reduction configs ran). Recent torch names them
+    by a hash of the kernel file's name, so every one in that directory is printed (the directory holds the kernels
+    whose hash starts alike: usually one). Kernels with a single config have none."""
+    found = []
+    for line in comments:
+        if line.startswith("# kernel path:"):
+            path = line.split(":", 1)[1].strip()
+            folder = os.path.dirname(path)
+            stem = os.path.splitext(os.path.basename(path))[0]
+            try:
+                names = sorted(n for n in os.listdir(folder) if n.endswith(".best_config"))
+            except OSError:
+                names = []
+            if not names:
+                found.append(f"# best_config: none in {folder}")
+            for name in names:
+                same = " (this kernel's name)" if name.startswith(stem) else ""
+                with open(os.path.join(folder, name), errors="replace") as f:
+                    found.append(f"# best_config {name}{same}: {f.read().strip()[:400]}")
+    return found
+
+
 def launch_sites(text: str, name: str, before: int = 6, after: int = 1) -> list[str]:
     """The lines around each ``name.run(`` in the module (its arguments, the buffers' allocations and comments)."""
     lines = text.splitlines()
@@ -82,6 +107,7 @@ def main(argv: list[str]) -> int:
                 print(f"== {name} in {path}")
                 print("\n".join(lines))
                 if source:
+                    print("\n".join(best_configs(lines)))
                     print("\n".join(launch_sites(text, name)))
                     print("\n".join(kernel_source(text, name)))
     return 0 if any_found else 1

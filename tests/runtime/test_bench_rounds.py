@@ -208,5 +208,17 @@ def test_inductor_kernels_prints_the_source_and_the_launches(tmp_path, capsys):
     assert "    tl.load(in_ptr0)" in out and "sort_body" not in out
     assert "# launch at line 12:" in out and "triton_red_fused_1.run(arg3_1, buf7" in out
     assert "# Source Nodes: [embeds]" in out
+    assert "best_config" not in out  # no "# kernel path:" comment above the kernel
     assert tool.main([str(tmp_path), "-", "triton_red_fused_1"]) == 0
     assert "tl.load" not in capsys.readouterr().out  # without --source: the comments only
+    # the autotuner's pick beside the kernel's file (named by a hash in recent torch)
+    (tmp_path / "kd").mkdir()
+    (tmp_path / "kd" / "abc123.best_config").write_text('{"XBLOCK": 8, "R0_BLOCK": 512, "num_warps": 16}')
+    path_comment = "# kernel path: " + str(tmp_path / "kd" / "ckd.py") + "\n"
+    (tmp_path / "cmod.py").write_text(module.replace("triton_red_fused_1 = ", path_comment + "triton_red_fused_1 = "))
+    assert tool.main(["--source", str(tmp_path), "-", "triton_red_fused_1"]) == 0
+    out = capsys.readouterr().out
+    assert '# best_config abc123.best_config: {"XBLOCK": 8, "R0_BLOCK": 512' in out and "# launch at line 13:" in out
+    (tmp_path / "kd" / "abc123.best_config").unlink()
+    assert tool.main(["--source", str(tmp_path), "-", "triton_red_fused_1"]) == 0
+    assert "# best_config: none in" in capsys.readouterr().out
