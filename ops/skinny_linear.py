@@ -383,7 +383,9 @@ WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise o
 # entries in 8-row blocks, twice the accumulator (128 float32 registers a thread at [8, 8, 256] on 4 warps): fc 56
 # us against 39 measured at 4 rows, o 26 against 16, down 56 against 45 (forty-fifth session's trace,
 # notes/gpu-2026-12-06-s45.md). With the shorter step the H100's draft round went 1.627 -> 1.613 ms (median of
-# three A/B pairs, forty-sixth session, notes/gpu-2026-12-06-s46.md); verify and decode unchanged, H200 untimed.
+# three A/B pairs, forty-sixth session, notes/gpu-2026-12-06-s46.md); verify and decode unchanged. It changes
+# only the H100 table's 8B head shapes at 5-8 rows (fc, o, down, LM head): on the H200 table the few-row gemv
+# entries that could stand in lost to cuBLAS (tests/ops/test_skinny_linear.py checks both).
 # TREECOMPILE_GEMV_KEEP_FOOTPRINT=0 (read at import) turns it off for A/B runs.
 GEMV_KEEP_FOOTPRINT = os.environ.get("TREECOMPILE_GEMV_KEEP_FOOTPRINT", "1").strip() != "0"
 KINDS = ("dot", "gemv", "gemv_pdl")

@@ -7,6 +7,8 @@ the GPU rounds to nearest even; the GPU is not affected."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -717,6 +719,44 @@ def test_gemv_keep_footprint_shortens_the_k_step_of_a_stand_in_entry(monkeypatch
             assert six.block_m * six.block_n * six.block_k <= (1 if footprint else 2) * four.block_m * four.block_n * four.block_k
         mma = skinny_linear.measured_tiles(48, 28672, 4096)  # a 64-row MMA entry for 48 rows: no change
         assert not mma.gemv and mma.block_k == skinny_linear.measured_tiles(64, 28672, 4096).block_k
+
+
+@pytest.mark.parametrize("gpu", [None, "H100 SXM"], ids=["h200_table", "h100_table"])
+def test_every_stand_in_gemv_config_of_the_shipped_tables_matches_float64(gpu, monkeypatch):
+    """The footprint rule (on by default since the forty-sixth session) makes gemv configs no sweep ran: an
+    entry measured at m rows standing in for M > m rows takes a shorter K step. Each distinct such config of the
+    shipped H100 table (every row count of 2..16 an entry stands in for) runs here on a scaled-down weight,
+    [2 * BLOCK_N + 3, 2 * BLOCK_K + 24] (a partial slice and the masked K tail), against float64, with NaN-poisoned
+    output. On the H200 table the rule changes no config: its few-row gemv entries that could stand in lost to
+    cuBLAS, so those shapes stay on cuBLAS either way."""
+    from treecompile.ops import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "gpu_class", lambda: gpu)
+    shapes = {(N, K) for table in (skinny_linear._MEASURED, skinny_linear._MEASURED_BY_GPU.get(gpu, {}))
+              for (_, N, K) in table}  # fmt: skip
+    configs = {}
+    for N, K in sorted(shapes):
+        for M in range(2, 17):
+            monkeypatch.setattr(skinny_linear, "GEMV_KEEP_FOOTPRINT", False)
+            plain = skinny_linear.measured_tiles(M, N, K)
+            monkeypatch.setattr(skinny_linear, "GEMV_KEEP_FOOTPRINT", True)
+            cfg = skinny_linear.measured_tiles(M, N, K)
+            if cfg != plain:  # the rule changed it: only the K step, only shorter
+                assert cfg.gemv and cfg.block_k < plain.block_k, (M, N, K, cfg, plain)
+                assert cfg == dataclasses.replace(plain, block_k=cfg.block_k), (M, N, K)
+                configs.setdefault((M, cfg), (N, K))
+    if gpu is None:  # the H200's few-row gemv entries that could stand in lost to cuBLAS: the rule changes nothing
+        assert not configs
+        return
+    # the 8B head's fc at 6 rows on the H100: the case the rule was made for
+    assert any(M == 6 and nk == (4096, 12288) for (M, _), nk in configs.items())
+    for i, ((M, cfg), (N, K)) in enumerate(sorted(configs.items(), key=lambda item: (item[0][0], str(item[0][1])))):
+        n, k = 2 * cfg.block_n + 3, 2 * cfg.block_k + 24
+        x, w, b = _inputs(M, n, k, torch.float32, bias=i % 2 == 1, seed=i)
+        out = poisoned((M, n), torch.float32)
+        _launch_skinny_linear(x, w, b, out, config=cfg)
+        assert cfg.block_k >= 16, (M, N, K, cfg)
+        _check(out, x, w, b)
 
 
 @pytest.mark.parametrize("footprint", [False, True], ids=["plain", "keep_footprint"])
