@@ -145,6 +145,47 @@ def compiled_draft_from_env(device_type: str) -> bool:
     return raw == "1"
 
 
+DRAFT_INDUCTOR_ENV = "TREECOMPILE_DRAFT_INDUCTOR"
+
+
+def draft_inductor_options_from_env() -> dict:
+    """Inductor config for the compiled draft round only, from ``TREECOMPILE_DRAFT_INDUCTOR`` ("key=value,..."; keys
+    as ``torch._inductor.config`` names them, e.g. ``test_configs.force_filter_reduction_configs=1``), each value
+    read as its config's type (a bool takes 1/0/true/false). For A/B runs of the draft round's own kernels: a
+    ``TORCHINDUCTOR_*`` variable would change the target's compile too. Unset or empty: ``{}``. An item without
+    ``=``, a key this torch's Inductor does not have, or a value its type cannot take is a ValueError naming the
+    variable, raised when the speculator is built."""
+    raw = os.environ.get(DRAFT_INDUCTOR_ENV, "").strip()
+    if not raw:
+        return {}
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    options = {}
+    for item in (part.strip() for part in raw.split(",")):
+        key, eq, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not eq or not key:
+            raise ValueError(f"{DRAFT_INDUCTOR_ENV}={raw!r}: expected key=value items separated by commas, got {item!r}")
+        if key not in known:
+            raise ValueError(f"{DRAFT_INDUCTOR_ENV}: {key!r} is not an Inductor config of this torch ({torch.__version__})")
+        options[key] = _option_value(key, text, known[key])
+    return options
+
+
+def _option_value(key: str, text: str, default):
+    """``text`` as the type of the config's current value ``default`` (text as given where that is None or other)."""
+    bools = {"1": True, "true": True, "0": False, "false": False}
+    try:
+        if isinstance(default, bool):
+            return bools[text.lower()]
+        if isinstance(default, (int, float)):
+            return type(default)(text)
+    except (KeyError, ValueError):
+        raise ValueError(f"{DRAFT_INDUCTOR_ENV}: {key}={text!r} is not a {type(default).__name__}") from None
+    return text
+
+
 def round_graphs_from_env() -> int:
     """Graphs a captured round is split into, from ``TREECOMPILE_ROUND_GRAPHS`` (default 2: the draft, then
     the verify + commit, which profiles them apart). One graph removes the graph boundary between the draft's
@@ -957,7 +998,11 @@ class TreeSpeculator:
 
     def _compiled_draft_round(self):
         """``_draft_round`` as one Inductor-compiled region bound to this speculator (the hooks traced through)."""
-        compiled = compile_inference(type(self)._draft_round, f"_draft_round_{id(self):x}", key=_round_batch)
+        options = draft_inductor_options_from_env()  # TREECOMPILE_DRAFT_INDUCTOR: A/B runs of this region alone
+        if options:  # compile_inference lays them over treecompile's own patches (PDL, combo kernels)
+            logger.info("compiled draft round: Inductor options %s", options)
+        extra = {"options": options} if options else {}
+        compiled = compile_inference(type(self)._draft_round, f"_draft_round_{id(self):x}", key=_round_batch, **extra)
         return functools.partial(compiled, self)
 
     def _draft_round(self, st) -> None:

@@ -13,14 +13,15 @@
 #           step (ops/skinny_linear.py; the trace had fc 56, o 26, down 56 us against 39, 16, 45 at 4 rows).
 #   nocombo TREECOMPILE_COMBO_KERNELS=0: the draft round's one- and two-program reductions (9-10 us against 3.4 for the
 #           8-program ones, forty-fifth session's trace) may be Inductor's combo kernels.
-#   cdt     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1: Inductor tunes each kernel's blocks and warps at compile time (the
-#           draft round's one-program reductions at a lane step's start: the gathered parent rows' and the new tokens'
-#           embeddings' RMSNorms, 9-10 us where the 8-program ones take 3.4).
-#   ffr     TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS=1: each reduction takes one heuristic config instead of the
-#           fastest in an isolated benchmark. Why (forty-sixth session, reading torch's triton_heuristics): those
-#           reductions' grids (1, 2, 1, 8, 2, 8 programs of 512 threads for the same work a step) fit autotuning that
-#           picked XBLOCK >= the 4 rows in some steps and XBLOCK = 1 in others.
-#   det     TORCHINDUCTOR_DETERMINISTIC=1: no on-device benchmarking in Inductor at all (heuristic configs everywhere).
+#   cdt     TREECOMPILE_DRAFT_INDUCTOR=coordinate_descent_tuning=1: Inductor tunes each draft-round kernel's blocks
+#           and warps at compile time (the one-program reductions at a lane step's start: the gathered parent rows'
+#           and the new tokens' embeddings' RMSNorms, 9-10 us where the 8-program ones take 3.4).
+#   ffr     TREECOMPILE_DRAFT_INDUCTOR=test_configs.force_filter_reduction_configs=1 (the draft round's compile only):
+#           each reduction takes one heuristic config instead of the fastest in an isolated benchmark. Why (forty-sixth
+#           session, reading torch's triton_heuristics): those reductions' grids (1, 2, 1, 8, 2, 8 programs of 512
+#           threads for the same work a step) fit autotuning that picked XBLOCK >= the 4 rows in some steps and
+#           XBLOCK = 1 in others.
+#   det     TREECOMPILE_DRAFT_INDUCTOR=deterministic=1: no on-device benchmarking in the draft round's compile at all.
 #   norm    TREECOMPILE_FUSE_NORM=1: passes/fuse_residual_norm.py version 2 (producer epilogue; never timed).
 #   both    the two together.
 #   o_triton H100 only: norm with the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json), so o -> gate/up folds.
@@ -34,8 +35,8 @@ export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DI
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
-python3 -c "import torch._inductor.config as c; print('inductor has', [n for n in ('force_filter_reduction_configs',
-  'deterministic', 'coordinate_descent_tuning', 'combo_kernels') if hasattr(c, n)])"
+python3 -c "import torch._inductor.config as c; d = c.get_config_copy(); print('inductor has', [n for n in (
+  'test_configs.force_filter_reduction_configs', 'deterministic', 'coordinate_descent_tuning', 'combo_kernels') if n in d])"
 case $gpu in *H200*) all="default treek norm both default";; *) all="default treek norm o_triton default";; esac
 if [ -z "${NO_TESTS:-}" ]; then
   timeout ${T_TESTS:-170} python3 -m pytest -q -p no:cacheprovider tests/ops/test_select_tree.py tests/ops/test_expand_lanes.py \
@@ -58,9 +59,9 @@ for v in ${VARIANTS:-$all}; do
     gemv_fp) run_rounds "$v" TREECOMPILE_GEMV_KEEP_FOOTPRINT=1;;
     gemv_plain) run_rounds "$v" TREECOMPILE_GEMV_KEEP_FOOTPRINT=0;;
     nocombo) run_rounds "$v" TREECOMPILE_COMBO_KERNELS=0;;
-    cdt) run_rounds "$v" TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1;;
-    ffr) run_rounds "$v" TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS=1;;
-    det) run_rounds "$v" TORCHINDUCTOR_DETERMINISTIC=1;;
+    cdt) run_rounds "$v" TREECOMPILE_DRAFT_INDUCTOR=coordinate_descent_tuning=1;;
+    ffr) run_rounds "$v" TREECOMPILE_DRAFT_INDUCTOR=test_configs.force_filter_reduction_configs=1;;
+    det) run_rounds "$v" TREECOMPILE_DRAFT_INDUCTOR=deterministic=1;;
     norm) run_rounds "$v" TREECOMPILE_FUSE_NORM=1;;
     both) run_rounds "$v" TREECOMPILE_TREE_KERNELS=1 TREECOMPILE_FUSE_NORM=1;;
     o_triton) run_rounds "$v" TREECOMPILE_FUSE_NORM=1 -- python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json \

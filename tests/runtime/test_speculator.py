@@ -293,6 +293,63 @@ def test_compiled_draft_env_refuses_other_values_by_name(monkeypatch, llama, raw
                        max_batch_size=1, max_seq_len=48, page_size=8)  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "raw, want",
+    [("", {}), (" ", {}), ("deterministic=1", {"deterministic": True}),
+     ("test_configs.force_filter_reduction_configs = true, coordinate_descent_tuning=False",
+      {"test_configs.force_filter_reduction_configs": True, "coordinate_descent_tuning": False}),
+     ("combo_kernels=0,coordinate_descent_search_radius=2", {"combo_kernels": False, "coordinate_descent_search_radius": 2})],
+)  # fmt: skip
+def test_draft_inductor_env_parses_inductor_options(monkeypatch, raw, want):
+    """``TREECOMPILE_DRAFT_INDUCTOR``: key=value items, each value as its config's type (bools from 1/0/true/false)."""
+    from treecompile.speculator import draft_inductor_options_from_env
+
+    monkeypatch.setenv("TREECOMPILE_DRAFT_INDUCTOR", raw)
+    assert draft_inductor_options_from_env() == want
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [("no_such_option=1", r"'no_such_option' is not an Inductor config"), ("deterministic", r"expected key=value"),
+     ("=1", r"expected key=value"), ("deterministic=1,,", r"expected key=value"),
+     ("deterministic=yes", r"deterministic='yes' is not a bool"),
+     ("coordinate_descent_search_radius=two", r"coordinate_descent_search_radius='two' is not a int")],
+)  # fmt: skip
+def test_draft_inductor_env_refuses_bad_items_by_name_before_any_work(monkeypatch, llama, raw, match):
+    monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", "1")
+    monkeypatch.setenv("TREECOMPILE_DRAFT_INDUCTOR", raw)
+    with pytest.raises(ValueError, match=r"TREECOMPILE_DRAFT_INDUCTOR.*" + match):
+        TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                       max_batch_size=1, max_seq_len=48, page_size=8, inductor=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", ["", "test_configs.force_filter_reduction_configs=1,coordinate_descent_tuning=1"])
+def test_draft_inductor_options_reach_the_draft_round_compile_only(monkeypatch, llama, raw):
+    """The options go to the compiled draft round's ``compile_inference`` (and so to ``torch.compile``, which
+    accepts them here), not to the commit's; unset, the draft round's compile gets none of its own."""
+    import treecompile.speculator as speculator
+
+    calls = []
+    real = speculator.compile_inference
+
+    def spy(fn, name, key=None, **kwargs):
+        calls.append((name, kwargs))
+        return real(fn, name, key, **kwargs)
+
+    monkeypatch.setattr(speculator, "compile_inference", spy)
+    monkeypatch.setenv("TREECOMPILE_COMPILED_DRAFT", "1")
+    monkeypatch.setenv("TREECOMPILE_DRAFT_INDUCTOR", raw)
+    TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                   max_batch_size=1, max_seq_len=48, page_size=8, inductor=True)  # fmt: skip
+    draft = [kwargs for name, kwargs in calls if name.startswith("_draft_round")]
+    others = [kwargs for name, kwargs in calls if not name.startswith("_draft_round")]
+    assert len(draft) == 1 and others and all("options" not in kwargs for kwargs in others)
+    if raw:
+        assert draft[0]["options"] == {"test_configs.force_filter_reduction_configs": True, "coordinate_descent_tuning": True}
+    else:
+        assert "options" not in draft[0]
+
+
 def test_inductor_on_cpu_keeps_the_per_hook_draft_by_default(monkeypatch, llama):
     """Unset, a CPU speculator with Inductor hooks drafts hook by hook (the compiled round is a CUDA default),
     and a plain decode (one node) never compiles a draft round it would not use."""
