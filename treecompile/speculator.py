@@ -469,6 +469,11 @@ class TreeSpeculator:
             # slots, masks, the tree's bookkeeping: ~15 eager kernels of a SmolLM2 (4, 4, 16) round) fuses
             # with them; the hooks' own compiled functions are traced through. A plain decode drafts nothing.
             self._draft_fn = self._compiled_draft_round()
+        elif os.environ.get(DRAFT_INDUCTOR_ENV, "").strip():
+            logger.warning("%s is set but has no effect: this speculator's draft round is not one compiled region "
+                           "(inductor=%s, num_nodes=%d, %s=%r, device %s)", DRAFT_INDUCTOR_ENV,
+                           self.draft_hooks.inductor, self.num_nodes, COMPILED_DRAFT_ENV,
+                           os.environ.get(COMPILED_DRAFT_ENV, ""), self.device.type)  # fmt: skip
         if self.tree is not None and self.draft_hooks.inductor:  # the ranking and numbering fuse too
             self.tree = DraftTree(topk, steps, num_nodes, inductor=True)
         if self.tree is not None:

@@ -350,6 +350,25 @@ def test_draft_inductor_options_reach_the_draft_round_compile_only(monkeypatch, 
         assert "options" not in draft[0]
 
 
+def test_draft_inductor_env_without_a_compiled_draft_round_warns(monkeypatch, llama, caplog):
+    """Set where the draft round is not one compiled region (a CPU speculator without
+    ``TREECOMPILE_COMPILED_DRAFT=1``), the options would do nothing: a warning says so instead of silence."""
+    import logging
+
+    monkeypatch.delenv("TREECOMPILE_COMPILED_DRAFT", raising=False)
+    monkeypatch.setenv("TREECOMPILE_DRAFT_INDUCTOR", "coordinate_descent_tuning=1")
+    with caplog.at_level(logging.WARNING, logger="treecompile.speculator"):
+        TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                       max_batch_size=1, max_seq_len=48, page_size=8, inductor=True)  # fmt: skip
+    assert any("TREECOMPILE_DRAFT_INDUCTOR is set but has no effect" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.delenv("TREECOMPILE_DRAFT_INDUCTOR")
+    with caplog.at_level(logging.WARNING, logger="treecompile.speculator"):
+        TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                       max_batch_size=1, max_seq_len=48, page_size=8, inductor=True)  # fmt: skip
+    assert not any("TREECOMPILE_DRAFT_INDUCTOR" in r.getMessage() for r in caplog.records)
+
+
 def test_inductor_on_cpu_keeps_the_per_hook_draft_by_default(monkeypatch, llama):
     """Unset, a CPU speculator with Inductor hooks drafts hook by hook (the compiled round is a CUDA default),
     and a plain decode (one node) never compiles a draft round it would not use."""
