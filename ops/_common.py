@@ -128,7 +128,7 @@ def pdl_enabled(device: torch.device) -> bool:
     1930 -> 2255; 8B verify(64) 5.40 -> 5.33 ms. Read at launch time: under CUDA graphs a kernel keeps the
     mode it was captured with.
     """
-    if os.environ.get(PDL_ENV, "1") == "0" or device.type != "cuda" or triton_interpret():
+    if not env_switch(PDL_ENV, True) or device.type != "cuda" or triton_interpret():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capability(index)[0] >= 9
@@ -165,7 +165,7 @@ def inductor_combo_patch(device: torch.device | None = None) -> dict:
     0.967-0.970 ms; end to end (real weights, same machine) plain 1421 -> 1503 tokens/s, tree 2625 -> 2789. The
     8B decode read 4.562 ms with them against 4.597 without, on another machine start: within what starts vary
     by. The fused kernels compute what the separate ones did (float32 tokens equal, GPU test)."""
-    if os.environ.get(COMBO_ENV, "1") == "0":
+    if not env_switch(COMBO_ENV, True):
         return {}
     if device is None:
         if not torch.cuda.is_available():
@@ -222,6 +222,6 @@ def values_checkable(*tensors: torch.Tensor) -> bool:
     """
     if all(t.device.type == "cpu" for t in tensors):
         return True
-    if os.environ.get("TREECOMPILE_CHECK_VALUES", "0") != "1":
+    if not env_switch("TREECOMPILE_CHECK_VALUES", False):
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

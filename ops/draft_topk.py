@@ -26,11 +26,10 @@ Only metadata is checked at the boundary: no host sync, safe under CUDA-graph ca
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
-from ._common import HAS_TRITON, check_dim, check_dtype, counter_table, use_triton
+from ._common import HAS_TRITON, check_dim, check_dtype, counter_table, env_switch, use_triton
 
 if HAS_TRITON:
     import triton
@@ -154,7 +153,7 @@ def _launch_draft_topk(
     block_c = triton.next_power_of_2(num_blocks * k)
     block_nb = triton.next_power_of_2(num_blocks)
     if fused_merge is None:
-        fused_merge = os.environ.get(FUSED_MERGE_ENV, "").strip() == "1"
+        fused_merge = env_switch(FUSED_MERGE_ENV, False)
     fused = bool(fused_merge) and rows <= MERGE_ROWS
     counters = counter_table("draft_topk fused merge", logits.device, MERGE_ROWS) if fused else slice_max
     offsets = index if index_offset is None else index_offset  # unused stand-in without offsets

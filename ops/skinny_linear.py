@@ -77,8 +77,8 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
-    HAS_TRITON, check_dim, check_dtype, check_l2_prefetch, check_same_device, counter_table, pdl_enabled, prefetch_l2,
-    tma_weights_ok, use_triton,
+    HAS_TRITON, check_dim, check_dtype, check_l2_prefetch, check_same_device, counter_table, env_switch, pdl_enabled,
+    prefetch_l2, tma_weights_ok, use_triton,
 )
 
 if HAS_TRITON:
@@ -386,8 +386,9 @@ WIN_MARGIN = 0.98  # Triton must be >= 2% faster than cuBLAS (run-to-run noise o
 # three A/B pairs, forty-sixth session, notes/gpu-2026-12-06-s46.md); verify and decode unchanged. It changes
 # only the H100 table's 8B head shapes at 5-8 rows (fc, o, down, LM head): on the H200 table the few-row gemv
 # entries that could stand in lost to cuBLAS (tests/ops/test_skinny_linear.py checks both).
-# TREECOMPILE_GEMV_KEEP_FOOTPRINT=0 (read at import) turns it off for A/B runs.
-GEMV_KEEP_FOOTPRINT = os.environ.get("TREECOMPILE_GEMV_KEEP_FOOTPRINT", "1").strip() != "0"
+# TREECOMPILE_GEMV_KEEP_FOOTPRINT=0 turns it off for A/B runs. It is read at import, because Dynamo traces
+# measured_tiles from the drafter's compiled round; a value other than 0 or 1 fails the import by name.
+GEMV_KEEP_FOOTPRINT = env_switch("TREECOMPILE_GEMV_KEEP_FOOTPRINT", True)
 KINDS = ("dot", "gemv", "gemv_pdl")
 
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from treecompile.kv_cache import PagedKVCache
+from treecompile.ops._common import env_switch
 from treecompile.ops.draft_topk import MAX_K as MAX_TOPK
 from treecompile.ops.fused_mlp import fold_norm_wanted, mlp_applies
 from treecompile.registry import Support, TreeSupport
@@ -248,7 +249,7 @@ class EagleDrafter(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(config)
         # The draft cache's write inside the attention op (one launch fewer a step). Off by default until
         # the GPU has run it (TREECOMPILE_DRAFT_FOLD=1 turns it on for A/B runs); the CPU path is the same two ops.
-        self.fold_cache_write = os.environ.get(DRAFT_FOLD_ENV, "").strip() == "1"
+        self.fold_cache_write = env_switch(DRAFT_FOLD_ENV, False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         if own_embedding:

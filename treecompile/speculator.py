@@ -53,7 +53,7 @@ import torch
 from treecompile.compiling import batch_key, compile_inference
 from treecompile.draft_tree import DraftTree, LaneState
 from treecompile.drafter import DraftContext
-from treecompile.ops._common import MAX_NODES
+from treecompile.ops._common import MAX_NODES, env_switch
 from treecompile.registry import resolve_tree_support
 from treecompile.target import TargetBinding, TargetRunner, chain_mask
 from treecompile.tree_spec import TreeSpec
@@ -456,7 +456,8 @@ class TreeSpeculator:
         self.runner = TargetRunner(model, self.binding, aux_layers=drafter.aux_layers, inductor=inductor)
         self.draft_hooks = DraftHooks(drafter, self.device.type == "cuda" if inductor is None else inductor)
         self._commit_fn = _commit_tokens
-        if self.draft_hooks.inductor and os.environ.get(COMPILED_COMMIT_ENV, "").strip() != "0":
+        compiled_commit = env_switch(COMPILED_COMMIT_ENV, True)  # read (and a bad value refused) on every device
+        if self.draft_hooks.inductor and compiled_commit:
             # One Inductor graph for the commit's ~30 small ops (in place on the state: Inductor writes the
             # mutated inputs back). H200, SmolLM2 batch 1 (sixteenth session): plain decode 1307.6 -> 1421.2
             # tokens/s, tree (8, 6, 64) 2263.5 -> 2387.3, tokens equal on the GPU tests.
