@@ -15,5 +15,5 @@ for t in ${TILES:-0 2 4 0}; do
   TREECOMPILE_CASCADE="l2_prefetch=$t" timeout ${T_ATT:-150} python3 -m treecompile.bench attention --nodes 16,64 \
     --prefixes ${PREFIXES:-4096,16384} --json "$OUT/att_l2_${t}_$start.json" > "$OUT/att_l2_${t}_$start.log" 2>&1
   echo "l2_prefetch=$t rc=$? in $(( $(date +%s) - start )) s"
-  sed -n '/^per layer/,/^$/p' "$OUT/att_l2_${t}_$start.log" | grep -E "^\| [0-9]" | cut -d'|' -f2-5,7-8,10-12
+  sed -n '/^per layer/,/^$/p' "$OUT/att_l2_${t}_$start.log" | grep -E "^\| [0-9]" | cut -d'|' -f2-5,8,10-12
 done
