@@ -1,0 +1,36 @@
+"""``tests/fuzz/lossless_fuzz.py`` keeps working: a short run logs every case and exits 0 when every output equals
+HF greedy, and a logged case is drawn again, the same, from its seed."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOOL = Path(__file__).resolve().parents[1] / "fuzz" / "lossless_fuzz.py"
+
+
+@pytest.fixture(scope="module")
+def fuzz():
+    spec = importlib.util.spec_from_file_location("lossless_fuzz", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_short_run_logs_each_case_and_a_seed_replays_its_case(fuzz, tmp_path, capsys):
+    log = tmp_path / "fuzz.jsonl"
+    assert fuzz.main(["--seconds", "120", "--cases", "2", "--seed", "6", "--log", str(log)]) == 0
+    cases = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [c["seed"] for c in cases] == [6, 7]
+    assert {c["status"] for c in cases} <= {"ok", "refused"}
+    assert any(c["status"] == "ok" and c["requests"] for c in cases)
+    assert "2 cases" in capsys.readouterr().out
+    assert json.loads(json.dumps(fuzz.run_case(6))) == cases[0]
+
+
+def test_bad_arguments_are_refused(fuzz):
+    with pytest.raises(SystemExit):
+        fuzz.main(["--seconds", "0"])
