@@ -22,13 +22,13 @@ def fuzz():
 
 def test_a_short_run_logs_each_case_and_a_seed_replays_its_case(fuzz, tmp_path, capsys):
     log = tmp_path / "fuzz.jsonl"
-    assert fuzz.main(["--seconds", "120", "--cases", "2", "--seed", "6", "--log", str(log)]) == 0
+    assert fuzz.main(["--seconds", "120", "--cases", "1", "--seed", "5", "--log", str(log)]) == 0
     cases = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [c["seed"] for c in cases] == [6, 7]
-    assert {c["status"] for c in cases} <= {"ok", "refused"}
-    assert any(c["status"] == "ok" and c["requests"] for c in cases)
-    assert "2 cases" in capsys.readouterr().out
-    assert json.loads(json.dumps(fuzz.run_case(6))) == cases[0]
+    assert [c["seed"] for c in cases] == [5]
+    assert cases[0]["status"] == "ok" and cases[0]["requests"]
+    assert all(q["status"] == "ok" for q in cases[0]["requests"])
+    assert "1 cases" in capsys.readouterr().out
+    assert json.loads(json.dumps(fuzz.run_case(5))) == cases[0]
 
 
 def test_bad_arguments_are_refused(fuzz):
