@@ -140,6 +140,35 @@ def test_nothing_leaks_between_requests(spec):
     assert torch.equal(first.sequences, hf_greedy(spec.model, ids, max_new_tokens=10))
 
 
+def test_a_request_that_fails_mid_draft_leaves_nothing_for_the_next(llama):
+    """A request whose drafter raises in its third lane step (after prefill, verifies and commits have written
+    the caches) must leave no state that changes the next request's output."""
+    spec = TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                          max_batch_size=2, max_seq_len=48, page_size=8)  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, VOCAB, (2, 7), generator=g)
+    first = spec.generate(ids, max_new_tokens=10)
+    real, calls = spec.draft_hooks.draft_lanes, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("drafter failed mid-request")
+        return real(*args, **kwargs)
+
+    spec.draft_hooks.draft_lanes = failing
+    other = torch.randint(1, VOCAB, (2, 15), generator=g)
+    with pytest.raises(RuntimeError, match="drafter failed mid-request"):
+        spec.generate(other, max_new_tokens=12)
+    spec.draft_hooks.draft_lanes = real
+    again = spec.generate(ids, max_new_tokens=10)
+    assert torch.equal(first.sequences, again.sequences)
+    assert torch.equal(first.accept_lengths, again.accept_lengths)
+    assert torch.equal(again.sequences, hf_greedy(llama, ids, max_new_tokens=10))
+    # and the failed request's own prompts, asked again, come out as HF's
+    assert torch.equal(spec.generate(other, max_new_tokens=12).sequences, hf_greedy(llama, other, max_new_tokens=12))
+
+
 def test_length_one_and_chunked_prompts_match_hf(spec):
     """A 1-token prompt (no draft pairs to prefill) next to a 17-token one (three prefill chunks of N=6)."""
     ids = torch.zeros(2, 17, dtype=torch.int64)
