@@ -470,7 +470,7 @@ class TreeSpeculator:
             # slots, masks, the tree's bookkeeping: ~15 eager kernels of a SmolLM2 (4, 4, 16) round) fuses
             # with them; the hooks' own compiled functions are traced through. A plain decode drafts nothing.
             self._draft_fn = self._compiled_draft_round()
-        elif os.environ.get(DRAFT_INDUCTOR_ENV, "").strip():
+        elif draft_inductor_options_from_env():  # parsed (a bad item refused) here too, then unused
             logger.warning("%s is set but has no effect: this speculator's draft round is not one compiled region "
                            "(inductor=%s, num_nodes=%d, %s=%r, device %s)", DRAFT_INDUCTOR_ENV,
                            self.draft_hooks.inductor, self.num_nodes, COMPILED_DRAFT_ENV,

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from test_speculator import hf_greedy, tiny_llama  # the runtime tests' tiny float64 Llama
 from treecompile.ops._common import env_switch, inductor_combo_patch, pdl_enabled, values_checkable
 
 
@@ -52,17 +53,6 @@ def test_check_values_switch(monkeypatch):
     assert values_checkable(torch.empty(1)) is True  # CPU values are read without a sync, whatever the switch
 
 
-def tiny_llama():
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
-    model = tf.LlamaForCausalLM(config).float().eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
 def test_draft_fold_switch(monkeypatch):
     from treecompile.drafter import EagleDrafter
 
@@ -87,9 +77,7 @@ def test_compiled_commit_switch_is_read_without_inductor_too(monkeypatch):
     spec = TreeSpeculator(model, drafter, topk=2, steps=2, num_nodes=4, max_batch_size=1, max_seq_len=32)
     ids = torch.tensor([[3, 5, 7, 9]])
     out = spec.generate(ids, max_new_tokens=3, eos_token_id=None)
-    with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert torch.equal(out.sequences, want)
+    assert torch.equal(out.sequences, hf_greedy(model, ids, max_new_tokens=3))
 
 
 def test_topk_fused_merge_switch(monkeypatch):

@@ -390,6 +390,10 @@ def test_draft_inductor_env_without_a_compiled_draft_round_warns(monkeypatch, ll
         TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
                        max_batch_size=1, max_seq_len=48, page_size=8, inductor=True)  # fmt: skip
     assert any("TREECOMPILE_DRAFT_INDUCTOR is set but has no effect" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("TREECOMPILE_DRAFT_INDUCTOR", "no_such_option=1")  # unused, but still refused by name
+    with pytest.raises(ValueError, match="TREECOMPILE_DRAFT_INDUCTOR: 'no_such_option' is not an Inductor config"):
+        TreeSpeculator(llama, EagleDrafter.for_target(llama, seed=3), topk=2, steps=3, num_nodes=6,
+                       max_batch_size=1, max_seq_len=48, page_size=8, inductor=True)  # fmt: skip
     caplog.clear()
     monkeypatch.delenv("TREECOMPILE_DRAFT_INDUCTOR")
     with caplog.at_level(logging.WARNING, logger="treecompile.speculator"):
