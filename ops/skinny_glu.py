@@ -55,7 +55,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, check_dim, check_dtype, check_same_device, env_switch, pdl_enabled, use_triton
+from ._common import (
+    HAS_TRITON, check_dim, check_dtype, check_same_device, env_switch, env_tiles, pdl_enabled, use_triton,
+)
 
 if HAS_TRITON:
     import triton
@@ -63,11 +65,13 @@ if HAS_TRITON:
 
 __all__ = [
     "skinny_glu", "skinny_glu_reference", "glu_wanted", "glu_config", "MAX_ROWS", "MAX_SUMSQ_SLICES", "GLU_ENV",
+    "TILES_ENV",
 ]
 
 MAX_ROWS = 64  # one MMA row block
 MAX_SUMSQ_SLICES = 1024  # norm_sumsq's S: the epilogue loads it as one [next_pow2(S), BLOCK_M] tile
 GLU_ENV = "TREECOMPILE_SKINNY_GLU"
+TILES_ENV = "TREECOMPILE_SKINNY_GLU_TILES"  # "block_n,block_k,warps,stages" for every launch (A/B runs, sweeps)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: the CPU reference only
 
 
@@ -153,15 +157,19 @@ def glu_wanted() -> bool:
 
 
 def glu_config(M: int, I: int, K: int):
-    """(block_m, block_n, block_k, num_warps, num_stages): the [M, 2I, K] gate/up GEMM's tiles from
+    """(block_m, block_n, block_k, num_warps, num_stages): ``TREECOMPILE_SKINNY_GLU_TILES`` where set (a sweep's
+    winner in a round A/B, ``tests/gpu/glu_bench.py``), else the [M, 2I, K] gate/up GEMM's tiles from
     ``skinny_linear`` (measured entry, else default), block_n halved: each program streams block_n gate and
     block_n up rows, the bytes of one of that GEMM's slices."""
     from .skinny_linear import choose_skinny_config, measured_tiles
 
+    block_m = max(16, triton.next_power_of_2(M))
+    forced = env_tiles(TILES_ENV, "block_n", lambda n: n >= 16, ">= 16")
+    if forced is not None:
+        return (block_m, *forced)
     cfg = measured_tiles(M, 2 * I, K)
     if cfg is None or cfg.gemv:
         cfg = choose_skinny_config(M, 2 * I, K)
-    block_m = max(16, triton.next_power_of_2(M))
     return block_m, max(16, cfg.block_n // 2), cfg.block_k, cfg.num_warps, cfg.num_stages
 
 

@@ -55,13 +55,11 @@ no host sync, safe under CUDA-graph capture.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from ._common import (
-    HAS_TRITON, check_dim, check_dtype, check_same_device, env_switch, pdl_enabled, use_triton,
+    HAS_TRITON, check_dim, check_dtype, check_same_device, env_switch, env_tiles, pdl_enabled, use_triton,
 )
 
 if HAS_TRITON:
@@ -196,20 +194,10 @@ def rope_config(M: int, N: int, K: int, D: int):
 
 
 def _env_tiles(D: int):
-    """``TREECOMPILE_SKINNY_ROPE_TILES="half,block_k,warps,stages"`` checked (powers of two, half dividing D/2,
-    half >= 16, block_k >= 16, warps in 1..16, stages in 1..8), or None when unset."""
-    value = os.environ.get(TILES_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        half, block_k, warps, stages = (int(v) for v in value.split(","))
-    except ValueError:
-        raise ValueError(f"{TILES_ENV}: expected four integers 'half,block_k,warps,stages', got {value!r}") from None
-    pow2 = all(v > 0 and v & (v - 1) == 0 for v in (half, block_k, warps))
-    if not pow2 or half < MIN_HALF or (D // 2) % half or block_k < 16 or warps > 16 or not 1 <= stages <= 8:
-        raise ValueError(f"{TILES_ENV}: half (>= {MIN_HALF}, dividing D/2 = {D // 2}), block_k (>= 16) and warps "
-                         f"(<= 16) powers of two, stages 1..8; got {value!r}")  # fmt: skip
-    return half, block_k, warps, stages
+    """``TREECOMPILE_SKINNY_ROPE_TILES="half,block_k,warps,stages"`` checked (``_common.env_tiles``: half a power
+    of two >= MIN_HALF dividing D/2), or None when unset."""
+    return env_tiles(TILES_ENV, "half", lambda half: half >= MIN_HALF and (D // 2) % half == 0,
+                     f">= {MIN_HALF}, dividing D/2 = {D // 2}")  # fmt: skip
 
 
 def _launch_skinny_qkv_rope(

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import poisoned
 from treecompile.ops.skinny_glu import (
-    GLU_ENV, MAX_ROWS, MAX_SUMSQ_SLICES, _launch_skinny_glu, glu_config, glu_wanted, skinny_glu_reference,
+    GLU_ENV, MAX_ROWS, MAX_SUMSQ_SLICES, TILES_ENV, _launch_skinny_glu, glu_config, glu_wanted, skinny_glu_reference,
 )  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -254,4 +254,25 @@ def test_switch_and_tiles(monkeypatch):
     assert glu_config(64, 14336, 4096) == (64, 64, 128, 4, 3)  # the H100's 64-row gate/up entry: 128 x 128, 3 stages
     row = dict(M=32, N=96, K=64, cublas_us=10.0, best=dict(block_n=64, block_k=32, warps=4, stages=2, us=8.0))
     skinny_linear.register_tiles([row])
-    assert glu_config(32, 48, 64) == (32, 32, 32, 4, 2)
+    try:
+        assert glu_config(32, 48, 64) == (32, 32, 32, 4, 2)
+    finally:  # the registered row would leak into later tests of the process
+        skinny_linear._REGISTERED.pop((32, 96, 64))
+
+
+def test_tiles_env_replaces_the_choice_and_is_checked(monkeypatch, kernel_device):
+    """``TREECOMPILE_SKINNY_GLU_TILES`` (a sweep's winner in a round A/B) replaces the tiles of every launch, the
+    measured table's included; a malformed or out-of-range value is refused by name."""
+    monkeypatch.setenv(TILES_ENV, "16, 32, 8, 3")
+    assert glu_config(64, 14336, 4096) == (64, 16, 32, 8, 3)
+    assert glu_config(20, 40, 96) == (32, 16, 32, 8, 3)
+    d = kernel_device
+    x, w = (t.to(d) for t in _inputs(20, 40, 96, torch.float32, seed=11))
+    out = poisoned((20, 40), torch.float32, d)
+    _launch_skinny_glu(x, w, out)  # the env's tiles: 16 features of each half a program, K step 32 (3 steps)
+    want = skinny_glu_reference(x.cpu().double(), w.cpu().double())
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    for bad in ("16,32,8", "a,b,c,d", "24,32,4,3", "8,32,4,3", "16,8,4,3", "16,32,32,3", "16,32,4,9", "16,32,3,3"):
+        monkeypatch.setenv(TILES_ENV, bad)
+        with pytest.raises(ValueError, match=TILES_ENV):
+            glu_config(64, 14336, 4096)

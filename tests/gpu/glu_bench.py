@@ -1,0 +1,105 @@
+"""treespec::skinny_glu against what it replaces, at the 8B verify's MLP shape (64 rows, I 14336, K 4096): cuBLAS
+gate/up + a compiled silu-mul, the plain skinny GEMM's tiles + that kernel, and the fused op. Checks the op's values
+against the float64 unfused graph first. Weights rotate over copies (cold reads, as in a forward), and the copy
+bandwidth measured here gives the weight-read floor.
+
+    python3 tests/gpu/glu_bench.py [OUT.json] [sweep]
+
+``sweep`` also times the op over its tile space (features a half, K step, warps, stages; each config checked against
+the float64 reference first) and prints the best: the tiles ``glu_config`` derives from the gate/up GEMM's entry
+(half its slice width) were never swept for the fused op itself. ``TREECOMPILE_SKINNY_GLU_TILES`` runs a winner
+in a round.
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from treecompile.ops.skinny_glu import _launch_skinny_glu, glu_config, skinny_glu_reference
+
+M, I, K = 64, 14336, 4096
+COPIES = 8
+
+
+def silu_mul(gu):
+    g, u = gu.split(I, dim=-1)
+    return (F.silu(g.float()) * u.float()).to(gu.dtype)
+
+
+def copy_bandwidth(dev) -> float:
+    """Bytes a second of a device-to-device copy of 1 GiB (read + write), CUDA-graph timed."""
+    a = torch.empty(1 << 29, dtype=torch.int16, device=dev)
+    b = torch.empty_like(a)
+    us = triton.testing.do_bench_cudagraph(lambda: b.copy_(a), rep=100) * 1e3
+    return 2 * a.numel() * a.element_size() / (us * 1e-6)
+
+
+def main():
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(M, K, device=dev, dtype=dt)
+    ws = [(torch.randn(2 * I, K, device=dev) / K**0.5).to(dt) for _ in range(COPIES)]
+    out = torch.empty(M, I, device=dev, dtype=dt)
+    want = skinny_glu_reference(x.double(), ws[0].double())
+    got = torch.ops.treespec.skinny_glu(x, ws[0])
+    err = (got.double() - want).abs().max().item()
+    err16 = (got.double() - silu_mul(F.linear(x, ws[0])).double()).abs().max().item()
+    bw = copy_bandwidth(dev)
+    floor_us = 2 * I * K * 2 / bw * 1e6
+    print(f"config {glu_config(M, I, K)}; max |op - float64| {err:.4f}, |op - bf16 unfused| {err16:.4f}; "
+          f"copy {bw / 1e12:.2f} TB/s, weight-read floor {floor_us:.2f} us")  # fmt: skip
+    if not err < 0.05:
+        raise SystemExit(f"skinny_glu differs from the float64 reference by {err}")
+    silu_mul_c = torch.compile(silu_mul)
+    silu_mul_c(F.linear(x, ws[0]))
+    i = [0]
+
+    def nxt():
+        i[0] = (i[0] + 1) % COPIES
+        return ws[i[0]]
+
+    rows = {
+        "cublas gate/up": lambda: F.linear(x, nxt()),
+        "cublas gate/up + compiled silu-mul": lambda: silu_mul_c(F.linear(x, nxt())),
+        "skinny_glu": lambda: torch.ops.treespec.skinny_glu(x, nxt()),
+    }
+    result = {"config": list(glu_config(M, I, K)), "max_err_f64": err, "max_err_bf16": err16,
+              "copy_tb_s": bw / 1e12, "floor_us": floor_us}  # fmt: skip
+    for name, fn in rows.items():
+        us = triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3
+        result[name] = us
+        print(f"{name:36s} {us:8.2f} us  ({us / floor_us:.3f}x the floor)")
+    if "sweep" in sys.argv[2:]:
+        tried = []
+        for block_n in (32, 64, 128):
+            for block_k in (64, 128, 256):
+                for warps in (4, 8):
+                    for stages in (3, 4, 5, 6):
+                        cfg = (64, block_n, block_k, warps, stages)
+                        try:
+                            out.fill_(float("nan"))
+                            _launch_skinny_glu(x, ws[0], out, cfg)
+                            e = (out.double() - want).abs().max().item()
+                            if not e < 0.05:  # NaN (unwritten) fails too
+                                print(f"{cfg} wrong: max err {e}")
+                                continue
+                            us = triton.testing.do_bench_cudagraph(
+                                lambda c=cfg: _launch_skinny_glu(x, nxt(), out, c), rep=100
+                            ) * 1e3
+                        except Exception as exc:  # out of shared memory, say: not a candidate
+                            print(f"{cfg} failed: {type(exc).__name__}: {str(exc)[:100]}")
+                            continue
+                        tried.append((us, cfg))
+        tried.sort()
+        result["sweep"] = [dict(us=us, block_n=c[1], block_k=c[2], warps=c[3], stages=c[4]) for us, c in tried]
+        for us, cfg in tried[:8]:
+            print(f"  {us:8.2f} us  {cfg}  ({us / floor_us:.3f}x the floor)")
+    if len(sys.argv) > 1:
+        json.dump(result, open(sys.argv[1], "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
