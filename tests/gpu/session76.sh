@@ -4,7 +4,7 @@
 # the plain GEMM's sweep, never swept for the fused ops themselves. Sweep both (tests/gpu/glu_bench.py,
 # rope_bench.py; each config checked against float64 before it is timed), then time the 8B rounds with the
 # winners (TREECOMPILE_SKINNY_GLU_TILES / _ROPE_TILES) against the defaults on the same machine.
-#   SWEEP=0   skip the sweeps; GLU_TILES / ROPE_TILES then name the tiles ("n,k,warps,stages").
+#   BENCHES   which sweeps (default "glu rope"). SWEEP=0 skips them; GLU_TILES / ROPE_TILES then name the tiles ("n,k,warps,stages").
 #   VARIANTS  rounds to run (default "default tuned"); "tuned" sets whichever winners beat the default config by
 #             >= 2% (each alone: glu, rope).
 set -u
@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
 if [ "${SWEEP:-1}" = 1 ]; then
-  for b in glu rope; do
+  for b in ${BENCHES:-glu rope}; do
     timeout ${T_SWEEP:-220} python3 tests/gpu/${b}_bench.py "$OUT/$b.json" sweep > "$OUT/$b.log" 2>&1
     echo "$b sweep rc=$?"; grep -v -E "failed:|wrong:" "$OUT/$b.log" | tail -14
   done
