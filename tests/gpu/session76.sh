@@ -5,6 +5,7 @@
 # rope_bench.py; each config checked against float64 before it is timed), then time the 8B rounds with the
 # winners (TREECOMPILE_SKINNY_GLU_TILES / _ROPE_TILES) against the defaults on the same machine.
 #   BENCHES   which sweeps (default "glu rope"). SWEEP=0 skips them; GLU_TILES / ROPE_TILES then name the tiles ("n,k,warps,stages").
+#   otri      (H100) the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json): the verify's one cuBLAS GEMM.
 #   VARIANTS  rounds to run (default "default tuned"); "tuned" sets whichever winners beat the default config by
 #             >= 2% (each alone: glu, rope).
 set -u
@@ -12,6 +13,7 @@ export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DI
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
+nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu --format=csv 2>&1 | tail -1
 if [ "${SWEEP:-1}" = 1 ]; then
   for b in ${BENCHES:-glu rope}; do
     timeout ${T_SWEEP:-220} python3 tests/gpu/${b}_bench.py "$OUT/$b.json" sweep > "$OUT/$b.log" 2>&1
@@ -49,6 +51,7 @@ for v in ${VARIANTS:-default tuned}; do
     tuned) [ ${#tuned[@]} -gt 0 ] && run_rounds "$v" "${tuned[@]}" || echo "tuned: no winner, not run";;
     glu) [ -n "${GLU_TILES:-}" ] && run_rounds "$v" TREECOMPILE_SKINNY_GLU_TILES=$GLU_TILES;;
     rope) [ -n "${ROPE_TILES:-}" ] && run_rounds "$v" TREECOMPILE_SKINNY_ROPE_TILES=$ROPE_TILES;;
+    otri) run_rounds "$v" -- python3 tests/gpu/variant.py --table tests/gpu/h100_o64_triton.json treecompile.bench;;
     *) echo "unknown variant $v";;
   esac
 done
