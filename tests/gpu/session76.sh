@@ -5,6 +5,8 @@
 # rope_bench.py; each config checked against float64 before it is timed), then time the 8B rounds with the
 # winners (TREECOMPILE_SKINNY_GLU_TILES / _ROPE_TILES) against the defaults on the same machine.
 #   BENCHES   which sweeps (default "glu rope"). SWEEP=0 skips them; GLU_TILES / ROPE_TILES then name the tiles ("n,k,warps,stages").
+#   ONLY_H200=1  stop at once on any other GPU (the H200's glu / rope tiles were never swept; its rounds were last
+#             timed in the forty-third session): `ONLY_H200=1 VARIANTS="default tuned default tuned"`, ~500 s.
 #   otri      (H100) the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json): the verify's one cuBLAS GEMM.
 #   VARIANTS  rounds to run (default "default tuned"); "tuned" sets whichever winners beat the default config by
 #             >= 2% (each alone: glu, rope).
@@ -13,6 +15,7 @@ export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DI
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
+case $gpu in *H200*) ;; *) [ -n "${ONLY_H200:-}" ] && { echo "not an H200: nothing run"; exit 0; };; esac
 nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.limit,temperature.gpu --format=csv 2>&1 | tail -1
 if [ "${SWEEP:-1}" = 1 ]; then
   for b in ${BENCHES:-glu rope}; do
