@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from tile_sweep import sweep_tiles
 from treecompile.bench.rounds import measure_copy_bandwidth
 from treecompile.ops.skinny_glu import _launch_skinny_glu, glu_config, skinny_glu_reference
 
 M, I, K = 64, 14336, 4096
 COPIES = 8
-SMEM_LIMIT = 232448  # bytes of shared memory a program may hold on sm_90
 
 
 def silu_mul(gu):
@@ -68,32 +68,14 @@ def main():
         result[name] = us
         print(f"{name:36s} {us:8.2f} us  ({us / floor_us:.3f}x the floor)")
     if "sweep" in sys.argv[2:]:
-        tried = []
-        for block_n in (32, 64, 128):
-            for block_k in (64, 128, 256):
-                for warps in (4, 8):
-                    for stages in (3, 4, 5, 6):
-                        cfg = (64, block_n, block_k, warps, stages)
-                        if stages * (64 + 2 * block_n) * block_k * 2 > SMEM_LIMIT:  # x tile + two weight tiles a stage
-                            continue  # sm_90 refuses it at launch: no compile for it
-                        try:
-                            out.fill_(float("nan"))
-                            _launch_skinny_glu(x, ws[0], out, cfg)
-                            e = (out.double() - want).abs().max().item() / scale
-                            if not e < 1e-2:  # NaN (unwritten) fails too
-                                print(f"{cfg} wrong: max err {e}")
-                                continue
-                            us = triton.testing.do_bench_cudagraph(
-                                lambda c=cfg: _launch_skinny_glu(x, nxt(), out, c), rep=100
-                            ) * 1e3
-                        except Exception as exc:  # out of shared memory, say: not a candidate
-                            print(f"{cfg} failed: {type(exc).__name__}: {str(exc)[:100]}")
-                            continue
-                        tried.append((us, cfg))
-        tried.sort()
-        result["sweep"] = [dict(us=us, block_n=c[1], block_k=c[2], warps=c[3], stages=c[4]) for us, c in tried]
-        for us, cfg in tried[:8]:
-            print(f"  {us:8.2f} us  {cfg}  ({us / floor_us:.3f}x the floor)")
+        def error(cfg):
+            out.fill_(float("nan"))
+            _launch_skinny_glu(x, ws[0], out, cfg)
+            return (out.double() - want).abs().max().item() / scale
+
+        result["sweep"] = sweep_tiles(
+            (32, 64, 128), error, lambda c: _launch_skinny_glu(x, nxt(), out, c), 1e-2, floor_us
+        )
     if len(sys.argv) > 1:
         json.dump(result, open(sys.argv[1], "w"), indent=1)
 

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from tile_sweep import sweep_tiles
 from treecompile.ops.skinny_qkv_rope import _launch_skinny_qkv_rope, rope_config, skinny_qkv_rope_reference
 
 M, K, HQ, HKV, D = 64, 4096, 32, 8, 128
 N = (HQ + 2 * HKV) * D
 COPIES = 8
-SMEM_LIMIT = 232448  # bytes of shared memory a program may hold on sm_90
 
 
 def rope(qkv, cos, sin):
@@ -72,33 +72,15 @@ def main():
         print(f"{name:32s} {us:8.2f} us")
     if "sweep" in sys.argv[2:]:
         q, k, v = (t.clone() for t in got)
-        tried = []
-        for half in (16, 32, 64):
-            for block_k in (64, 128, 256):
-                for warps in (4, 8):
-                    for stages in (3, 4, 5, 6):
-                        cfg = (64, half, block_k, warps, stages)
-                        if stages * (64 + 2 * half) * block_k * 2 > SMEM_LIMIT:  # x tile + two weight tiles a stage
-                            continue  # sm_90 refuses it at launch: no compile for it
-                        try:
-                            for t in (q, k, v):
-                                t.fill_(float("nan"))
-                            _launch_skinny_qkv_rope(x, ws[0], None, cos, sin, q, k, v, cfg)
-                            e = max((g.double() - w).abs().max().item() for g, w in zip((q, k, v), want))
-                            if not e < 0.05:  # NaN (unwritten) fails too
-                                print(f"{cfg} wrong: max err {e}")
-                                continue
-                            us = triton.testing.do_bench_cudagraph(
-                                lambda c=cfg: _launch_skinny_qkv_rope(x, nxt(), None, cos, sin, q, k, v, c), rep=100
-                            ) * 1e3
-                        except Exception as exc:  # out of shared memory, say: not a candidate
-                            print(f"{cfg} failed: {type(exc).__name__}: {str(exc)[:100]}")
-                            continue
-                        tried.append((us, cfg))
-        tried.sort()
-        out["sweep"] = [dict(us=us, block_n=c[1], block_k=c[2], warps=c[3], stages=c[4]) for us, c in tried]
-        for us, cfg in tried[:8]:
-            print(f"  {us:8.2f} us  {cfg}")
+        def error(cfg):
+            for t in (q, k, v):
+                t.fill_(float("nan"))
+            _launch_skinny_qkv_rope(x, ws[0], None, cos, sin, q, k, v, cfg)
+            return max((g.double() - w).abs().max().item() for g, w in zip((q, k, v), want))
+
+        out["sweep"] = sweep_tiles(
+            (16, 32, 64), error, lambda c: _launch_skinny_qkv_rope(x, nxt(), None, cos, sin, q, k, v, c), 0.05
+        )
     if len(sys.argv) > 1:
         json.dump(out, open(sys.argv[1], "w"), indent=1)
 
