@@ -39,7 +39,8 @@ in flight, where the register double buffer has one and compiles to no async cop
 slices, steps, warps and 3-6 stages, against cuBLAS and the shipped choice: the 8B layer and head shapes, then
 SmolLM2's target and shipped head, at ROWS rows, biggest weights first. Rows carry ``best.pipeline``.
 
-    python3 tests/gpu/skinny_sweep.py out.json tma|tma-smoke [ROWS] [LABEL]   # ROWS: "16,64" (default)
+    python3 tests/gpu/skinny_sweep.py out.json tma|tma-smoke [ROWS] [LABEL]   # ROWS: "16,64" (default); LABEL:
+                                                                             # labels holding it ("8b down|8b o")
 
 ``tma``: the MMA tiles with the weight as TMA boxes (``tma=True``), against the same tiles through pointers,
 cuBLAS and the shipped choice: the 8B layer shapes, the 8B LM head and the head's, at ROWS rows (a 16-node and
@@ -128,8 +129,8 @@ def main() -> None:
     if tma:  # argv[3]: the row counts (default 16,64); argv[4]: a label filter; the biggest weights first
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "16,64").split(",")]
         shapes = LLAMA8B + LLAMA8B_HEAD + [("8b lm_head", 128256, 4096)]
-        if len(sys.argv) > 4:
-            shapes = [sh for sh in shapes if sys.argv[4] in sh[0]]
+        if len(sys.argv) > 4:  # "|" separates alternatives: "8b down|8b qkv"
+            shapes = [sh for sh in shapes if any(part in sh[0] for part in sys.argv[4].split("|"))]
         cases = [(m, *sh) for m in rows for sh in sorted(shapes, key=lambda sh: -sh[1] * sh[2])]
     if pipe:  # argv[3]: the row counts (default 1,4); the biggest weights first within a row count
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "1,4").split(",")]
