@@ -31,7 +31,7 @@
 # tests/gpu/tree_ops_bench.py: the bookkeeping alone in a CUDA graph, torch against the ops. KERNELS="name ..." then
 # dumps those Inductor kernels' source-node comments (tests/gpu/inductor_kernels.py) into kernels.txt.
 set -u
-export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
+export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic CLOCKS=${CLOCKS-1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 bash tests/gpu/install.sh > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 3; }
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"

@@ -9,7 +9,7 @@
 # from the gate/up and q/k/v rows) against the defaults, on the same machine.
 #   VARIANTS  rounds (default "default table default table"); T_SWEEP the sweep's limit (default 240 s).
 set -u
-export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
+export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic CLOCKS=${CLOCKS-1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name())"); echo "gpu: $gpu"
 case $gpu in *H200*) ;; *) [ -z "${ANY_GPU:-}" ] && { echo "not an H200: nothing run"; exit 0; };; esac
