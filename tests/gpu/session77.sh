@@ -8,7 +8,8 @@
 # --table`: down and o take their winners where they beat cuBLAS; skinny_glu and skinny_qkv_rope derive their tiles
 # from the gate/up and q/k/v rows) against the defaults, on the same machine.
 #   ELSE_ROUNDS=1  on another GPU, one default rounds run with the SM clock and power sampled (CLOCKS, rounds_lib.sh).
-#   VARIANTS  rounds (default "default table default table"); T_SWEEP the sweep's limit (default 240 s).
+#   VARIANTS  rounds (default "default table default table"; "prof" = the defaults profiled); T_SWEEP the sweep's
+#             limit (default 240 s; 0 skips it).
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic CLOCKS=${CLOCKS-1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,12 +22,15 @@ case $gpu in *H200*) ;; *)
     echo "not an H200: no sweep"; exit 0
   fi;;
 esac
-timeout ${T_SWEEP:-240} python3 tests/gpu/skinny_sweep.py "$OUT/tma64.json" tma 64 "8b gate_up|8b down|8b qkv|8b o" \
-  > "$OUT/tma64.log" 2>&1
-echo "tma sweep rc=$?"; tail -12 "$OUT/tma64.log" | cut -c1-200
+if [ "${T_SWEEP:-240}" != 0 ]; then
+  timeout ${T_SWEEP:-240} python3 tests/gpu/skinny_sweep.py "$OUT/tma64.json" tma 64 "8b gate_up|8b down|8b qkv|8b o" \
+    > "$OUT/tma64.log" 2>&1
+  echo "tma sweep rc=$?"; tail -12 "$OUT/tma64.log" | cut -c1-200
+fi
 for v in ${VARIANTS:-default table default table}; do
   case $v in
     default) run_rounds "$v";;
+    prof) PROFILE=1 run_rounds "$v";;  # the defaults, then kernel tables and Chrome traces (tests/gpu/trace_gaps.py)
     table) [ -s "$OUT/tma64.json" ] && run_rounds "$v" -- python3 tests/gpu/variant.py --table "$OUT/tma64.json" \
       treecompile.bench;;
     *) echo "unknown variant $v";;
