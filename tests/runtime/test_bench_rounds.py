@@ -222,3 +222,33 @@ def test_inductor_kernels_prints_the_source_and_the_launches(tmp_path, capsys):
     (tmp_path / "kd" / "abc123.best_config").unlink()
     assert tool.main(["--source", str(tmp_path), "-", "triton_red_fused_1"]) == 0
     assert "# best_config: none in" in capsys.readouterr().out
+
+
+def test_tile_sweep_checks_each_config_and_sorts(monkeypatch, capsys):
+    """tests/gpu/tile_sweep.py (the glu and rope sweeps' loop) with a stand-in timer: tiles past sm_90's shared
+    memory are never tried, a config whose check fails (NaN, too large, or raising) is not timed, the rest come back
+    fastest first."""
+    import triton
+
+    ts = gpu_script("tile_sweep")
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep: (fn(), ts_times.pop(0))[1])
+    checked, ran = [], []
+
+    def error(cfg):
+        checked.append(cfg)
+        if cfg[2] == 256:  # every 256-wide K step "writes" nothing
+            return float("nan")
+        if cfg[3] == 8 and cfg[4] == 6:
+            raise RuntimeError("out of resource")
+        return 0.02 if cfg[1] == 128 and cfg[4] == 5 else 0.0  # over the 1e-2 tolerance
+
+    total = [(w, k, n, s) for w in (32, 128) for k in (64, 128, 256) for n in (4, 8) for s in (3, 4, 5, 6)]
+    fits = [c for c in total if c[3] * (64 + 2 * c[0]) * c[1] * 2 <= ts.SMEM_LIMIT]
+    ts_times = [float(100 - i) for i in range(len(fits))]  # later configs "faster": the result must be re-sorted
+    rows = ts.sweep_tiles((32, 128), error, lambda cfg: ran.append(cfg), 1e-2, floor_us=50.0)
+    assert len(checked) == len(fits) < len(total)  # nothing past the shared memory is compiled or checked
+    assert all(c[2] != 256 and not (c[3] == 8 and c[4] == 6) and not (c[1] == 128 and c[4] == 5) for c in ran)
+    assert any(c[1] == 128 and c[4] == 5 for c in checked)  # the too-large error was met, and refused
+    assert [r["us"] for r in rows] == sorted(r["us"] for r in rows) and len(rows) == len(ran)
+    assert set(rows[0]) == {"us", "block_n", "block_k", "warps", "stages"}
+    assert "wrong: max err nan" in capsys.readouterr().out
