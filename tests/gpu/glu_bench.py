@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tile_sweep import sweep_tiles
+from paired_sweep import sweep_tiles
 from treecompile.bench.rounds import measure_copy_bandwidth
 from treecompile.ops.skinny_glu import _launch_skinny_glu, glu_config, skinny_glu_reference
 

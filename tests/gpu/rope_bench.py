@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tile_sweep import sweep_tiles
+from paired_sweep import sweep_tiles
 from treecompile.ops.skinny_qkv_rope import _launch_skinny_qkv_rope, rope_config, skinny_qkv_rope_reference
 
 M, K, HQ, HKV, D = 64, 4096, 32, 8, 128

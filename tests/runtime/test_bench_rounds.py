@@ -224,13 +224,13 @@ def test_inductor_kernels_prints_the_source_and_the_launches(tmp_path, capsys):
     assert "# best_config: none in" in capsys.readouterr().out
 
 
-def test_tile_sweep_checks_each_config_and_sorts(monkeypatch, capsys):
-    """tests/gpu/tile_sweep.py (the glu and rope sweeps' loop) with a stand-in timer: tiles past sm_90's shared
+def test_paired_sweep_checks_each_config_and_sorts(monkeypatch, capsys):
+    """tests/gpu/paired_sweep.py (the glu and rope sweeps' loop) with a stand-in timer: tiles past sm_90's shared
     memory are never tried, a config whose check fails (NaN, too large, or raising) is not timed, the rest come back
     fastest first."""
     import triton
 
-    ts = gpu_script("tile_sweep")
+    ts = gpu_script("paired_sweep")
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep: (fn(), ts_times.pop(0))[1])
     checked, ran = [], []
 
