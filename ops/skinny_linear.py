@@ -349,7 +349,11 @@ _MEASURED: dict[tuple[int, int, int], tuple] = {
 # dependent launches). The 64-row entries come from the fortieth session's ``skinny_sweep.py tma 64 8b`` on an
 # H100 SXM (notes/gpu-2026-12-05-s40/tma_sweep.json): gate/up on 128 x 128 tiles, 3 stages, 84.2 us against
 # cuBLAS 87.4 and the H200's 128 x 64 tiles 89.3; qkv, o and the head's fc stay on cuBLAS; TMA weight boxes tied
-# pointer loads everywhere (none is used). Same machine, 8B rounds: verify(64) 6.803-6.816 -> 6.671 ms.
+# pointer loads everywhere (none is used). Same machine, 8B rounds: verify(64) 6.803-6.816 -> 6.671 ms. The 64-row
+# o moved to Triton in the forty-ninth session, on the 256-wide K steps that session's sweep was the first to try
+# on an H100 (``skinny_sweep.py tma 64 "8b o"``, notes/gpu-2026-12-06-s49/call2/o64.json: 14.76 us against
+# cuBLAS 15.49 and 15.71 on 128-wide steps); same machine, two A/B pairs of 8B rounds: verify(64) 6.497 / 6.511
+# -> 6.469 / 6.469 ms, decode and draft unchanged.
 _MEASURED_BY_GPU: dict[str, dict[tuple[int, int, int], tuple]] = {
     "H100 SXM": {
         (1, 6144, 4096): (4, 1024, 8, 6, 19.14, 21.26, "gemv_pdl", 1, 0, 0, True),  # Llama-8B qkv
@@ -365,7 +369,7 @@ _MEASURED_BY_GPU: dict[str, dict[tuple[int, int, int], tuple]] = {
         (4, 4096, 12288): (8, 256, 4, 4, 39.03, 39.92, "gemv_pdl", 1, 0, 0, True),
         (4, 32000, 4096): (4, 512, 4, 6, 90.88, 98.21, "gemv_pdl", 1, 0, 0, True),
         (64, 6144, 4096): (64, 128, 4, 4, 20.90, 20.97),  # Llama-8B qkv (cuBLAS: within 2%)
-        (64, 4096, 4096): (32, 128, 4, 4, 15.60, 15.26),  # Llama-8B o (cuBLAS)
+        (64, 4096, 4096): (32, 256, 4, 4, 14.76, 15.49),  # Llama-8B o: see above the table
         (64, 28672, 4096): (128, 128, 4, 3, 84.16, 87.42),  # Llama-8B gate/up
         (64, 4096, 14336): (32, 256, 4, 4, 45.12, 47.67),  # Llama-8B down
         (64, 128256, 4096): (128, 128, 4, 3, 359.09, 390.93),  # Llama-8B LM head

@@ -44,8 +44,8 @@ SmolLM2's target and shipped head, at ROWS rows, biggest weights first. Rows car
 
 ``tma``: the MMA tiles with the weight as TMA boxes (``tma=True``), against the same tiles through pointers,
 cuBLAS and the shipped choice: the 8B layer shapes, the 8B LM head and the head's, at ROWS rows (a 16-node and
-a 64-node verify), biggest weights first, over slices of 32-256 features, 64-128-wide K steps, 3-4 stages. Rows
-carry ``best.tma``.
+a 64-node verify), biggest weights first, over slices of 32-256 features, 64-256-wide K steps, 3-4 stages (those
+that fit shared memory). Rows carry ``best.tma``.
 
 ``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
 rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
@@ -238,10 +238,13 @@ def main() -> None:
                                              pdl=True, pipeline=True))  # fmt: skip
             grid = []
         if tma:  # each tile through TMA boxes and through pointers (the box spans at most 256 a dim)
+            # 256-wide K steps too (the H200's 64-row o won by 10% on them, forty-second session), where the
+            # stages of an x tile and a weight tile fit sm_90's 227 KiB of shared memory
             tma_grid = [(16, 32, 3), (32, 64, 4)] if mode == "tma-smoke" else itertools.product(
-                (32, 64, 128, 256), (64, 128), (3, 4))  # fmt: skip
+                (32, 64, 128, 256), (64, 128, 256), (3, 4))  # fmt: skip
             for (bn, bk, stages), boxes in itertools.product(tma_grid, (True, False)):
-                if bk <= max(16, 1 << (K - 1).bit_length()):
+                fits = stages * (max(16, M) + bn) * bk * 2 <= 232448
+                if bk <= max(16, 1 << (K - 1).bit_length()) and fits:
                     sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
                                                       tma=boxes))  # fmt: skip
             grid = []

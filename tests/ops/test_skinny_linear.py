@@ -689,7 +689,9 @@ def test_a_gpu_class_table_lays_over_the_h200_table(monkeypatch):
     verify = skinny_linear.measured_tiles(64, 28672, 4096)  # 8B gate/up at 64 rows: the H100's own tiles
     assert (verify.block_n, verify.block_k, verify.num_stages, verify.tma) == (128, 128, 3, False)
     assert skinny_linear.measured_tiles(64, 6144, 4096) is None  # qkv at 64 rows: cuBLAS on the H100 too
-    assert skinny_linear.measured_tiles(64, 4096, 4096) is None  # o at 64 rows: the H100's entry, cuBLAS
+    o = skinny_linear.measured_tiles(64, 4096, 4096)  # o at 64 rows: the H100's own 256-wide K steps
+    assert (o.block_n, o.block_k, o.num_stages) == (32, 256, 4)
+    assert skinny_linear.measured_tiles(64, 4096, 12288) is None  # the head's fc at 64 rows: the H100's entry, cuBLAS
     row = dict(M=1, N=28672, K=4096, cublas_us=80.0, best=dict(block_n=8, block_k=512, warps=4, stages=3, us=90.0,
                                                               kind="gemv_pdl"))  # fmt: skip
     assert skinny_linear.register_tiles([row]) == 1
