@@ -761,6 +761,33 @@ def test_every_stand_in_gemv_config_of_the_shipped_tables_matches_float64(gpu, m
         _check(out, x, w, b)
 
 
+@pytest.mark.parametrize("gpu", [None, "H100 SXM"], ids=["h200_table", "h100_table"])
+def test_every_mma_config_of_the_shipped_tables_matches_float64(gpu, monkeypatch, kernel_device):
+    """Each distinct MMA config (tiles, stages, split-K, row block, TMA boxes) the shipped table of a GPU class
+    routes one of its measured shapes to, at that shape's row count, runs on a scaled-down weight [2 * BLOCK_N + 3,
+    2 * BLOCK_K * SPLIT_K + 24] (a partial slice, every split, the masked K tail) against float64 with
+    NaN-poisoned output. The sweeps checked each config only at its own full shape, on their GPU; an entry added
+    by hand (the H100's 64-row o on 256-wide K steps, forty-ninth session) is covered here too."""
+    from treecompile.ops import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "gpu_class", lambda: gpu)
+    table = {**skinny_linear._MEASURED, **skinny_linear._MEASURED_BY_GPU.get(gpu, {})}
+    configs = {}
+    for M, N, K in sorted(table):
+        cfg = skinny_linear.measured_tiles(M, N, K)
+        if cfg is not None and not cfg.gemv:
+            configs.setdefault((M, cfg), (N, K))
+    assert any(M == 64 and (cfg.block_n, cfg.block_k) == (32, 256) for M, cfg in configs)  # the 8B o, both tables
+    d = kernel_device
+    for i, ((M, cfg), _) in enumerate(sorted(configs.items(), key=lambda item: (item[0][0], str(item[0][1])))):
+        n, k = 2 * cfg.block_n + 3, 2 * cfg.block_k * cfg.split_k + 24
+        x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, n, k, torch.float16, bias=i % 2 == 1,
+                                                                         seed=i))  # fmt: skip
+        out = poisoned((M, n), torch.float16, d)
+        _launch_skinny_linear(x, w, b, out, config=cfg)
+        _check(out.cpu(), x.cpu(), w.cpu(), None if b is None else b.cpu())
+
+
 @pytest.mark.parametrize("footprint", [False, True], ids=["plain", "keep_footprint"])
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 def test_routing_traces_without_a_graph_break(dynamic, footprint, monkeypatch):
