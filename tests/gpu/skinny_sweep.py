@@ -61,6 +61,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from paired_sweep import SMEM_LIMIT  # bytes of shared memory a program may hold on sm_90
 from treecompile.ops.skinny_linear import (
     GEMV_MAX_ROWS, _launch_skinny_linear, choose_skinny_config, gemv_config, measured_tiles,
 )
@@ -239,14 +240,15 @@ def main() -> None:
             grid = []
         if tma:  # each tile through TMA boxes and through pointers (the box spans at most 256 a dim)
             # 256-wide K steps too (the H200's 64-row o won by 10% on them, forty-second session), where the
-            # stages of an x tile and a weight tile fit sm_90's 227 KiB of shared memory
+            # stages fit sm_90's shared memory
             tma_grid = [(16, 32, 3), (32, 64, 4)] if mode == "tma-smoke" else itertools.product(
                 (32, 64, 128, 256), (64, 128, 256), (3, 4))  # fmt: skip
             for (bn, bk, stages), boxes in itertools.product(tma_grid, (True, False)):
-                fits = stages * (max(16, M) + bn) * bk * 2 <= 232448
-                if bk <= max(16, 1 << (K - 1).bit_length()) and fits:
-                    sweep.append(choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
-                                                      tma=boxes))  # fmt: skip
+                if bk <= max(16, 1 << (K - 1).bit_length()):
+                    cfg = choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages,
+                                               tma=boxes)  # fmt: skip
+                    if stages * (cfg.block_m + bn) * bk * 2 <= SMEM_LIMIT:  # an x tile and a weight tile a stage
+                        sweep.append(cfg)
             grid = []
         if batch_rows:  # the row block too; the other loop below then adds nothing
             block_ms = (32, 64) if mode == "rows-smoke" else (32, 64, 128)
