@@ -8,8 +8,8 @@
 #   ONLY_H200=1  stop at once on any other GPU (the H200's glu / rope tiles were never swept; its rounds were last
 #             timed in the forty-third session): `ONLY_H200=1 VARIANTS="default tuned default tuned"`, ~500 s.
 #   otri      (H100) the 64-row o on Triton tiles (tests/gpu/h100_o64_triton.json): the verify's one cuBLAS GEMM.
-#   o256      (H100) the same on the H200's 256-wide K steps (tests/gpu/h100_o64_bk256.json), never timed on an
-#             H100 (its forty-eighth session's otri ran 128-wide ones, which its sweep had tied with cuBLAS).
+#   o256      (H100) the same on the H200's 256-wide K steps (tests/gpu/h100_o64_bk256.json): the H100's default
+#             since the forty-ninth session (the forty-eighth's otri ran 128-wide ones, which tied cuBLAS).
 #   ocublas   the 64-row o on cuBLAS again (tests/gpu/h100_o64_cublas.json): the H100's default before o256 shipped.
 #   VARIANTS  rounds to run (default "default tuned"); "tuned" sets whichever winners beat the default config by
 #             >= 2% (each alone: glu, rope).

@@ -772,14 +772,10 @@ def test_every_mma_config_of_the_shipped_tables_matches_float64(gpu, monkeypatch
 
     monkeypatch.setattr(skinny_linear, "gpu_class", lambda: gpu)
     table = {**skinny_linear._MEASURED, **skinny_linear._MEASURED_BY_GPU.get(gpu, {})}
-    configs = {}
-    for M, N, K in sorted(table):
-        cfg = skinny_linear.measured_tiles(M, N, K)
-        if cfg is not None and not cfg.gemv:
-            configs.setdefault((M, cfg), (N, K))
+    configs = {(M, cfg) for M, N, K in table if (cfg := skinny_linear.measured_tiles(M, N, K)) and not cfg.gemv}
     assert any(M == 64 and (cfg.block_n, cfg.block_k) == (32, 256) for M, cfg in configs)  # the 8B o, both tables
     d = kernel_device
-    for i, ((M, cfg), _) in enumerate(sorted(configs.items(), key=lambda item: (item[0][0], str(item[0][1])))):
+    for i, (M, cfg) in enumerate(sorted(configs, key=lambda mc: (mc[0], str(mc[1])))):
         n, k = 2 * cfg.block_n + 3, 2 * cfg.block_k * cfg.split_k + 24
         x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, n, k, torch.float16, bias=i % 2 == 1,
                                                                          seed=i))  # fmt: skip
