@@ -34,7 +34,8 @@ loop. This op also stores ``u = round(norm_weight * s)`` (s: the rounded sum, as
 output slice, the rows' partial sums of ``s^2``; the next GEMM streams ``u`` straight into its MMA and scales its
 sums by the row's ``rsqrt(sum of the partials / N + eps)`` at the end. Why not a norm prologue in the next GEMM's
 K loop: one that feeds the MMA from registers made wgmma synchronous (17 ``wgmma.wait_group`` in the loop instead
-of 2; an 8B verify 6.3 -> 9.6 ms on an H100). Only the MMA kernel with split_k == 1 has it (``norm_out_supported``).
+of 2; an 8B verify 6.3 -> 9.6 ms on an H100). Only the MMA kernel has it (``norm_out_supported``), split-K or not:
+under split-K the split that reduces a slice writes its norm inputs.
 
 ``l2_prefetch`` (a measured-table entry, or ``TREECOMPILE_SKINNY_L2_PREFETCH`` for a whole run): each program
 first hints the 128-byte lines of its first weight tiles into L2 (``_common.prefetch_l2``), before its dependency
@@ -136,7 +137,7 @@ def skinny_linear_norm_out(
     float32, the sum of ``s.float() ** 2`` over each of the launch's BLOCK_N-wide output slices (S =
     ``norm_out_slices(M, N, K)``; the last slice may be partial): the next GEMM streams ``u`` into its MMA
     and scales its sums by ``rsqrt(sumsq.sum(0) / N + eps)`` (see the module docstring). Only where
-    ``norm_out_supported(M, N, K)`` (the MMA kernel with split_k == 1); otherwise ValueError. Metadata checks
+    ``norm_out_supported(M, N, K)`` (the MMA kernel, not gemv); otherwise ValueError. Metadata checks
     only: safe under CUDA-graph capture."""
     cfg = _check_norm_out_inputs(x, weight, bias, residual, norm_weight)
     if use_triton(x, weight, residual, norm_weight, *(() if bias is None else (bias,))):
@@ -583,11 +584,10 @@ def _default_config(M: int, N: int, K: int) -> SkinnyConfig:
 
 
 def _norm_out_refusal(cfg: SkinnyConfig) -> str | None:
-    """Why ``cfg`` cannot run the norm-out epilogue (None: it can). Only the MMA kernel's one-pass store has it."""
+    """Why ``cfg`` cannot run the norm-out epilogue (None: it can). Only the MMA kernel's store has it (split-K or
+    not: the split that reduces a slice writes it)."""
     if cfg.gemv:
         return "the chosen config is the gemv kernel (a measured <= 16-row entry), which has no norm-out epilogue"
-    if cfg.split_k != 1:
-        return f"the chosen config splits K (split_k={cfg.split_k}); the norm-out epilogue needs split_k == 1"
     return None
 
 
@@ -600,7 +600,7 @@ def norm_out_slices(M: int, N: int, K: int) -> int:
 
 def norm_out_supported(M: int, N: int, K: int) -> bool:
     """Whether ``skinny_linear_norm_out`` runs for (M, N, K): the config the launcher picks is the MMA kernel
-    (not gemv) with split_k == 1 (TMA weight boxes or not). Otherwise the op raises ValueError."""
+    (not gemv; any split_k, TMA weight boxes or not). Otherwise the op raises ValueError."""
     return _norm_out_refusal(_default_config(M, N, K)) is None
 
 
@@ -610,8 +610,7 @@ def _launch_skinny_linear(
 ) -> None:  # fmt: skip
     """Fill preallocated ``out [M, N]`` (any row stride, last dim contiguous); with ``residual [M, N]`` (any
     row stride, last dim contiguous) out = round(round(x @ weight.T + bias) + residual). ``norm = (u, sumsq,
-    norm_weight)``: the norm-out epilogue (``skinny_linear_norm_out``; residual required, an MMA config with
-    split_k == 1): u [M, N] (last dim contiguous) = round(norm_weight * out), sumsq [cdiv(N, block_n), M]
+    norm_weight)``: the norm-out epilogue (``skinny_linear_norm_out``; residual required, an MMA config): u [M, N] (last dim contiguous) = round(norm_weight * out), sumsq [cdiv(N, block_n), M]
     float32 contiguous = each slice's sum of out^2."""
     M, K = x.shape
     N = weight.shape[0]
@@ -709,9 +708,10 @@ if HAS_TRITON:
         (+ residual[m block, n slice]), over K in [split * k_per_split, +k_per_split) when SPLIT_K > 1 (then
         reduced by ``_split_k_store``, which adds bias and residual).
 
-        NORM_OUT (SPLIT_K == 1, HAS_RES; ``skinny_linear_norm_out``): the store is ``_norm_out_store``, which also
-        writes ``u [M, N]`` (row stride s_um) = round(g * s) for the norm weight ``g`` (stride s_g) and the
-        slice's sums of s^2 at ``sq [num slices, M]`` (contiguous). Off (the default), the kernel is as before.
+        NORM_OUT (HAS_RES; ``skinny_linear_norm_out``): the store of a slice's result (under split-K the last
+        split's) also writes ``u [M, N]`` (row stride s_um) = round(g * s) for the norm weight ``g`` (stride s_g)
+        and the slice's sums of s^2 at ``sq [num slices, M]`` (contiguous): ``_norm_out_store``. Off (the
+        default), the kernel is as before.
 
         TMA: each weight tile is one box of ``w_desc`` (the copy engine fills shared memory, the pipeliner keeps
         num_stages - 1 boxes in flight, zeros past N and K); the rows of x stay pointer loads (a few KB a step).
@@ -749,12 +749,9 @@ if HAS_TRITON:
             acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        if NORM_OUT:
-            _norm_out_store(acc, b, r, out, u, sq, g, rm, rn, M, N, s_om, s_b, s_rm, s_um, s_g, HAS_BIAS)
-        else:
-            slice_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            _split_k_store(acc, b, r, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, s_rm, HAS_BIAS, HAS_RES,
-                           SPLIT_K)  # fmt: skip
+        slice_id = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        _split_k_store(acc, b, r, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, s_rm, HAS_BIAS, HAS_RES,
+                       SPLIT_K, u, sq, g, s_um, s_g, NORM_OUT)  # fmt: skip
 
     @triton.jit
     def _prefetch_weight(
@@ -771,20 +768,24 @@ if HAS_TRITON:
     def _split_k_store(
         acc, b, r, out, ws, counters, slice_id, rm, rn, M, N, s_om, s_b, s_rm,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
+        u=None, sq=None, g=None, s_um=0, s_g=0, NORM_OUT: tl.constexpr = False,
     ):  # fmt: skip
-        """Store ``acc [BLOCK_M, BLOCK_N]`` (+ bias) (+ residual: ``_bias_residual``) at out[rm, rn]. With
-        SPLIT_K > 1 ``acc`` is this split's partial: it goes to ``ws [SPLIT_K, M, N]``; the split that then
-        finds its slice's counter at SPLIT_K - 1 (the last to arrive) sums all SPLIT_K partials in split order
-        (the same sum whichever split is last), adds bias and residual, stores, and zeroes the counter for the
-        next launch. The barrier makes every thread's
-        partial stores precede the counter's release (gpu scope); the partials are read through L2 (.cg),
-        never a stale L1 line."""
+        """Store ``acc [BLOCK_M, BLOCK_N]`` (+ bias) (+ residual: ``_bias_residual``) at out[rm, rn] (with
+        NORM_OUT also the next RMSNorm's inputs: ``_norm_out_store``). With SPLIT_K > 1 ``acc`` is this split's
+        partial: it goes to ``ws [SPLIT_K, M, N]``; the split that then finds its slice's counter at SPLIT_K - 1
+        (the last to arrive) sums all SPLIT_K partials in split order (the same sum whichever split is last),
+        adds bias and residual, stores, and zeroes the counter for the next launch. The barrier makes every
+        thread's partial stores precede the counter's release (gpu scope); the partials are read through L2
+        (.cg), never a stale L1 line."""
         m_ok = rm < M
         n_ok = rn < N
         ok = m_ok[:, None] & n_ok[None, :]
         o_ptrs = out + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
         if SPLIT_K == 1:
-            tl.store(o_ptrs, _bias_residual(acc, b, r, out, rm, rn, n_ok, ok, s_b, s_rm, HAS_BIAS, HAS_RES), mask=ok)
+            y = _bias_residual(acc, b, r, out, rm, rn, n_ok, ok, s_b, s_rm, HAS_BIAS, HAS_RES)
+            tl.store(o_ptrs, y, mask=ok)
+            if NORM_OUT:
+                _norm_out_store(y, u, sq, g, rm, rn, M, m_ok, n_ok, ok, s_um, s_g)
         else:
             part = rm.to(tl.int64)[:, None] * N + rn[None, :]
             tl.store(ws + tl.program_id(2).to(tl.int64) * M * N + part, acc, mask=ok)  # int64: no overflow
@@ -797,21 +798,17 @@ if HAS_TRITON:
                     y += tl.load(ws + split_base + part, mask=ok, other=0.0, cache_modifier=".cg")
                 y = _bias_residual(y, b, r, out, rm, rn, n_ok, ok, s_b, s_rm, HAS_BIAS, HAS_RES)
                 tl.store(o_ptrs, y, mask=ok)
+                if NORM_OUT:
+                    _norm_out_store(y, u, sq, g, rm, rn, M, m_ok, n_ok, ok, s_um, s_g)
                 tl.atomic_xchg(counters + slice_id, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
-    def _norm_out_store(
-        acc, b, r, out, u, sq, g, rm, rn, M, N, s_om, s_b, s_rm, s_um, s_g, HAS_BIAS: tl.constexpr,
-    ):  # fmt: skip
-        """``_split_k_store``'s SPLIT_K == 1 path with a residual, rounded the same way (s = round(round(acc +
-        bias) + residual), stored at out), then the next RMSNorm's inputs from the ROUNDED s: u[rm, rn] =
-        round(g[rn] * s) (float32 product, one rounding) under the same mask, and this slice's
-        sum over its columns of s^2 (float32; masked columns add 0) at sq[program_id(0), rm] (rows < M only)."""
-        m_ok = rm < M
-        n_ok = rn < N
-        ok = m_ok[:, None] & n_ok[None, :]
-        s = _bias_residual(acc, b, r, out, rm, rn, n_ok, ok, s_b, s_rm, HAS_BIAS, True)
-        tl.store(out + rm.to(tl.int64)[:, None] * s_om + rn[None, :], s, mask=ok)
+    def _norm_out_store(s, u, sq, g, rm, rn, M, m_ok, n_ok, ok, s_um, s_g):
+        """The next RMSNorm's inputs from ``s``, the slice's output as stored (``round(round(acc + bias) +
+        residual)``: the rounded values, as the unfused graph's norm reads them): u[rm, rn] = round(g[rn] * s)
+        (float32 product, one rounding) under the store's mask, and the slice's sum over its columns of s^2
+        (float32; masked columns add 0) at sq[program_id(0), rm] (rows < M only). Under split-K only the last
+        split of a slice calls it, with the summed partials."""
         sf = s.to(tl.float32)
         gf = tl.load(g + rn * s_g, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(u + rm.to(tl.int64)[:, None] * s_um + rn[None, :], (gf[None, :] * sf).to(u.dtype.element_ty),

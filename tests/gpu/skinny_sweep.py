@@ -47,6 +47,16 @@ cuBLAS and the shipped choice: the 8B layer shapes, the 8B LM head and the head'
 a 64-node verify), biggest weights first, over slices of 32-256 features, 64-256-wide K steps, 3-4 stages (those
 that fit shared memory). Rows carry ``best.tma``.
 
+    python3 tests/gpu/skinny_sweep.py out.json wide|wide-smoke [ROWS] [LABEL]   # ROWS: "64" (default); LABEL:
+                                                                               # labels holding it ("8b o|8b down")
+
+``wide``: wide output slices (64-256 features) with K split over 2-8 programs a slice, against the shipped
+choice and cuBLAS: the 8B layer shapes at ROWS rows. Why: a program of the MMA tiles rereads all its rows of x
+(64 x K) from L2 for every slice, so the 64-row o (32-wide slices) and down read 2x their weight's bytes again
+in x, and run 1.16-1.33x their weight-read floor where the 1-row gemv runs ~1.05-1.2x; a slice 4x as wide
+split 4 ways keeps the program count and reads a quarter of that x. Rows carry ``best.split_k``; a split-K
+entry also serves ``skinny_linear_norm_out`` (the verify's o and down).
+
 ``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
 rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
 carry ``best.block_m``, which ``register_tiles`` keeps for that band.
@@ -126,7 +136,14 @@ def main() -> None:
     mid = mode in ("mid", "mid-smoke")
     pipe = mode in ("pipe", "pipe-smoke")
     tma = mode in ("tma", "tma-smoke")
+    wide = mode in ("wide", "wide-smoke")
     cases = CASES
+    if wide:  # argv[3]: the row counts (default 64); argv[4]: a label filter; the biggest weights first
+        rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "64").split(",")]
+        shapes = LLAMA8B
+        if len(sys.argv) > 4:  # "|" separates alternatives: "8b o|8b down"
+            shapes = [sh for sh in shapes if any(part in sh[0] for part in sys.argv[4].split("|"))]
+        cases = [(m, *sh) for m in rows for sh in sorted(shapes, key=lambda sh: -sh[1] * sh[2])]
     if tma:  # argv[3]: the row counts (default 16,64); argv[4]: a label filter; the biggest weights first
         rows = [int(m) for m in (sys.argv[3] if len(sys.argv) > 3 else "16,64").split(",")]
         shapes = LLAMA8B + LLAMA8B_HEAD + [("8b lm_head", 128256, 4096)]
@@ -151,7 +168,8 @@ def main() -> None:
                        key=lambda c: -c[2] * c[3])  # fmt: skip
     if gemv:  # the biggest weights first: a sweep cut short by the device's time limit keeps the 8B shapes
         cases = sorted((c for c in CASES if c[0] <= GEMV_MAX_ROWS), key=lambda c: -c[2] * c[3])
-    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke", "pipe-smoke", "tma-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
+    if mode in ("smoke", "gemv-smoke", "splitk-smoke", "rows-smoke", "mid-smoke", "pipe-smoke", "tma-smoke",
+                "wide-smoke"):  # the CPU interpreter (TRITON_INTERPRET=1): two tiny shapes, every config path
         global DEVICE, DTYPE, L2_BYTES
         # float16: the interpreter's tl.dot misreads bfloat16 operands (Triton 3.x; the GPU is unaffected)
         DEVICE, DTYPE, L2_BYTES, cases = "cpu", torch.float16, 4096, [(1, "smoke a", 40, 72), (20, "smoke b", 24, 64)]
@@ -165,6 +183,8 @@ def main() -> None:
             cases = [(1, "smoke p", 40, 72), (3, "smoke q", 24, 64)]
         if tma:
             cases = [(16, "smoke t", 40, 72), (64, "smoke u", 24, 64)]
+        if wide:
+            cases = [(64, "smoke w", 40, 96), (20, "smoke x", 24, 64)]
     torch.manual_seed(0)
     results = []
     t0 = time.time()
@@ -249,6 +269,15 @@ def main() -> None:
                                                tma=boxes)  # fmt: skip
                     if stages * (cfg.block_m + bn) * bk * 2 <= SMEM_LIMIT:  # an x tile and a weight tile a stage
                         sweep.append(cfg)
+            grid = []
+        if wide:  # slices 64-256 wide over 2-8 splits of K, the stages that fit shared memory (~20 a shape)
+            wide_grid = [(16, 16, 3, 2), (32, 32, 3, 2)] if mode == "wide-smoke" else [
+                (bn, bk, stages, sk) for bn, bk, stages, sk in itertools.product((64, 128), (128, 256), (3, 4), (2, 4, 8))
+            ] + [(256, 64, 3, sk) for sk in (4, 8)]  # fmt: skip
+            for bn, bk, stages, sk in wide_grid:
+                cfg = choose_skinny_config(M, N, K, block_n=bn, block_k=bk, num_warps=4, num_stages=stages, split_k=sk)
+                if stages * (cfg.block_m + bn) * bk * 2 <= SMEM_LIMIT and triton_cdiv(K, bk) >= sk:
+                    sweep.append(cfg)
             grid = []
         if batch_rows:  # the row block too; the other loop below then adds nothing
             block_ms = (32, 64) if mode == "rows-smoke" else (32, 64, 128)

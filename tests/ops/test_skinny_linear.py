@@ -645,10 +645,12 @@ def test_counter_tables_are_one_per_owner_and_never_resized():
         ("pipe", [(1, 40, 72, 3), (3, 24, 64, 3)], "pipeline", "gemv_pdl"),
         # each MMA tile through TMA boxes and through pointers
         ("tma", [(16, 40, 72, 5), (64, 24, 64, 5)], "tma", "dot"),
+        # wide slices over split-K (the shipped choice, then two split configs)
+        ("wide", [(64, 40, 96, 3), (20, 24, 64, 3)], "split_k", "dot"),
     ],
 )
 def test_sweep_mode_smoke(tmp_path, monkeypatch, mode, shapes, flag, kind):
-    """tests/gpu/skinny_sweep.py's ``pipe`` and ``tma`` modes (interpreter, two tiny shapes each): the mode's
+    """tests/gpu/skinny_sweep.py's ``pipe``, ``tma`` and ``wide`` modes (interpreter, two tiny shapes each): the mode's
     configs run and are checked against F.linear; the rows (``best.<flag>`` where such a config won) load into
     the table."""
     import json
@@ -665,7 +667,7 @@ def test_sweep_mode_smoke(tmp_path, monkeypatch, mode, shapes, flag, kind):
     rows = json.loads(out.read_text())
     assert [(r["M"], r["N"], r["K"], r["configs"]) for r in rows] == shapes
     for r in rows:
-        flagged = [c for c in r["top"] if c[flag]]
+        flagged = [c for c in r["top"] if (c[flag] > 1 if flag == "split_k" else c[flag])]
         assert len(flagged) == 2 and all(c["kind"] == kind and c["max_err"] < 0.05 for c in flagged)
     assert skinny_linear.register_tiles(rows) == 2
 
@@ -942,19 +944,25 @@ def test_norm_out_matches_the_reference(M, dtype, bias, kernel_device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "M,N,K,block_m,block_n,block_k,tma",
-    [(17, 50, 96, 32, 32, 32, False), (24, 33, 40, 32, 16, 16, False), (64, 70, 130, 64, 64, 64, False),
-     (24, 40, 72, 32, 16, 32, True), (70, 24, 40, 32, 16, 32, False)],
+    "M,N,K,block_m,block_n,block_k,tma,split_k",
+    [(17, 50, 96, 32, 32, 32, False, 1), (24, 33, 40, 32, 16, 16, False, 1), (64, 70, 130, 64, 64, 64, False, 1),
+     (24, 40, 72, 32, 16, 32, True, 1), (70, 24, 40, 32, 16, 32, False, 1),
+     # split-K: the split that reduces a slice writes its norm inputs (K tail in the last split, uneven splits,
+     # several row blocks, TMA boxes)
+     (17, 50, 96, 32, 32, 32, False, 2), (64, 70, 130, 64, 64, 32, False, 3), (70, 24, 200, 32, 16, 32, False, 4),
+     (24, 40, 72, 32, 16, 16, True, 2)],
 )  # fmt: skip
-def test_norm_out_keeps_the_residual_epilogues_bits(M, N, K, block_m, block_n, block_k, tma, dtype, kernel_device):
-    """Random data, explicit tiles (a partial last slice, K tails, TMA weight boxes, several row blocks): s equals
-    the plain residual launch of the same tiles bit for bit, u = round(g * s), the slices' sums of s^2 land."""
+def test_norm_out_keeps_the_residual_epilogues_bits(M, N, K, block_m, block_n, block_k, tma, split_k, dtype,
+                                                    kernel_device):  # fmt: skip
+    """Random data, explicit tiles (a partial last slice, K tails, TMA weight boxes, several row blocks, split-K):
+    s equals the plain residual launch of the same tiles bit for bit, u = round(g * s), the slices' sums of s^2
+    land."""
     d = kernel_device
     _skip_bfloat16_in_the_interpreter(dtype, d)
     x, w, b = (t.to(d) if t is not None else None for t in _inputs(M, N, K, dtype, M % 2 == 0, seed=M + N + K))
     r = (torch.randn(M, N + 4, generator=torch.Generator().manual_seed(N)) * 4).to(dtype).to(d)[:, :N]
     g = _strided_norm_weight(N, dtype, d, seed=K)
-    cfg = choose_skinny_config(M, N, K, block_m=block_m, block_n=block_n, block_k=block_k, tma=tma)
+    cfg = choose_skinny_config(M, N, K, block_m=block_m, block_n=block_n, block_k=block_k, tma=tma, split_k=split_k)
     plain = poisoned((M, N), dtype, d)
     _launch_skinny_linear(x, w, b, plain, config=cfg, residual=r)
     s, u, sq = _launch_norm_out(x, w, b, r, g, config=cfg)
@@ -993,10 +1001,10 @@ def test_norm_out_op_on_cpu_is_the_reference_and_traces():
     assert all(torch.equal(a, c * 2) for a, c in zip(out, want))
 
 
-def test_norm_out_refuses_gemv_and_split_k_configs():
-    """Only the MMA kernel with split_k == 1 has the epilogue: a measured gemv entry (<= 16 rows) or a split-K
-    entry makes the op (and norm_out_supported) refuse, naming the reason; so does a forced config at the
-    launcher."""
+def test_norm_out_refuses_gemv_configs_and_takes_split_k_entries(kernel_device):
+    """Only the MMA kernel has the epilogue: a measured gemv entry (<= 16 rows) makes the op (and
+    norm_out_supported) refuse, naming the reason; so does a forced gemv config at the launcher. A split-K entry
+    is served (its sumsq has one row a BLOCK_N slice of the entry) and matches the reference."""
     from treecompile.ops import skinny_linear
 
     op = torch.ops.treespec.skinny_linear_norm_out
@@ -1004,7 +1012,7 @@ def test_norm_out_refuses_gemv_and_split_k_configs():
 
     def args(M):
         x, w, _ = _inputs(M, N, K, torch.float32, False)
-        return x, w, None, False, torch.zeros(M, N), torch.ones(N)
+        return x, w, None, False, torch.randn(M, N, generator=torch.Generator().manual_seed(M)), torch.rand(N) + 0.5
 
     assert skinny_linear.norm_out_supported(8, N, K)  # unmeasured: the static MMA tiles serve even 8 rows
     row = dict(M=8, N=N, K=K, cublas_us=10.0, best=dict(block_n=8, block_k=128, warps=4, stages=3, us=5.0,
@@ -1016,15 +1024,19 @@ def test_norm_out_refuses_gemv_and_split_k_configs():
     split = dict(M=64, N=N, K=K, cublas_us=10.0, best=dict(block_n=32, block_k=64, warps=4, stages=3, us=8.0,
                                                           split_k=2))  # fmt: skip
     assert skinny_linear.register_tiles([split]) == 1
-    assert not skinny_linear.norm_out_supported(64, N, K) and skinny_linear.norm_out_supported(24, 40, 72)
-    with pytest.raises(ValueError, match="split_k=2"):
-        op(*args(64))
+    assert skinny_linear.norm_out_supported(64, N, K) and skinny_linear.norm_out_slices(64, N, K) == 3
+    a = args(64)
+    want = skinny_linear.skinny_linear_norm_out_reference(*a[:2], None, a[4], a[5], block_n=32)
+    on = [t.to(kernel_device) if isinstance(t, torch.Tensor) else t for t in a]
+    s, u, sq = _launch_norm_out(on[0], on[1], None, on[4], on[5])
+    assert sq.shape == (3, 64)
+    torch.testing.assert_close(s.cpu(), want[0], rtol=1e-5, atol=1e-4)
+    _check_norm_out(s.cpu(), u.cpu(), sq.cpu(), a[5], 32)
     x, w, _ = _inputs(4, 16, 16, torch.float32, False)
     norm = (torch.empty(4, 16), torch.empty(2, 4), torch.ones(16))
-    for cfg, match in ((gemv_config(4, 16, 16), "gemv kernel"), (choose_skinny_config(4, 16, 16, split_k=2),
-                                                                  "split_k=2")):  # fmt: skip
-        with pytest.raises(ValueError, match=match):
-            _launch_skinny_linear(x, w, None, torch.empty(4, 16), config=cfg, residual=torch.zeros(4, 16), norm=norm)
+    with pytest.raises(ValueError, match="gemv kernel"):
+        _launch_skinny_linear(x, w, None, torch.empty(4, 16), config=gemv_config(4, 16, 16),
+                              residual=torch.zeros(4, 16), norm=norm)  # fmt: skip
     with pytest.raises(ValueError, match="sumsq: expected a contiguous float32 \\[S=1, M=4\\]"):
         _launch_skinny_linear(x, w, None, torch.empty(4, 16), config=choose_skinny_config(4, 16, 16),
                               residual=torch.zeros(4, 16), norm=norm)  # fmt: skip
