@@ -35,7 +35,10 @@ output slice, the rows' partial sums of ``s^2``; the next GEMM streams ``u`` str
 sums by the row's ``rsqrt(sum of the partials / N + eps)`` at the end. Why not a norm prologue in the next GEMM's
 K loop: one that feeds the MMA from registers made wgmma synchronous (17 ``wgmma.wait_group`` in the loop instead
 of 2; an 8B verify 6.3 -> 9.6 ms on an H100). Only the MMA kernel has it (``norm_out_supported``), split-K or not:
-under split-K the split that reduces a slice writes its norm inputs.
+under split-K the split that reduces a slice writes its norm inputs. (No shipped entry splits the verify's o or
+down: on a slower H100, fifty-fifth session, slices 64-256 wide split 2-8 ways ran 16.4-18.5 us for the 64-row o
+against the shipped 32-wide whole-K slices' 14.7, and 46.5-48.5 for down against 45.2; a round with them
+installed: verify(64) 6.611 against 6.433-6.449 ms. ``skinny_sweep.py wide``, notes/gpu-2026-12-07-s55.)
 
 ``l2_prefetch`` (a measured-table entry, or ``TREECOMPILE_SKINNY_L2_PREFETCH`` for a whole run): each program
 first hints the 128-byte lines of its first weight tiles into L2 (``_common.prefetch_l2``), before its dependency

@@ -36,6 +36,13 @@ bit for bit; 21.75 us against 25.83 for cuBLAS q/k/v + the compiled rotary kerne
 verify(64) 6.508 ms against 6.551-6.556 on other H100s. Forty-third session, one H200, two A/Bs in the same
 machine (``tests/gpu/session69.sh``): verify(64) 5.041 -> 5.010 and 5.026 -> 4.977 ms (notes/gpu-2026-12-05-s43.md).
 
+Split-K (``TREECOMPILE_SKINNY_ROPE_TILES``' fifth value only; no table sets it): each slice's K over 2-4 programs,
+their float32 partials summed in split order by the slice's last program, which runs the epilogue. Built to test
+whether rereading x for every 64 weight rows held the 96 programs back; on a slower H100 (fifty-fifth session,
+``rope_bench.py split``, notes/gpu-2026-12-07-s55) every split config ran slower: 25.2-29.8 us against the
+shipped 21.7 (64-wide halves split 2: 25.2-26.0). Kept for the H200, whose 64-row GEMMs sit further over their
+floors and which has not run the sweep.
+
 Shapes
 ------
 x       [M, K]   float16 / bfloat16 / float32 (float64 on the CPU: the reference); 1 <= M <= MAX_ROWS (64);

@@ -13,6 +13,9 @@
 #      only where it beats the shipped tiles by 2%;
 #   4. 8B rounds, VARIANTS (default "default table default table"; "table": wide64.json through variant.py
 #      --table plus the rope winner), each only while DEADLINE (default 585 s from the start) leaves ~110 s.
+# Outcome, fifty-fifth session, a slower H100 (notes/gpu-2026-12-07-s55): refuted. Every wide or split config ran
+# slower than the shipped tiles (o 16.4 against 14.7 us, down 46.5 against 45.2, q/k/v + rope 25.2 against 21.7);
+# the table variant's verify(64) 6.611 ms against 6.433-6.449 for the defaults.
 set -u
 export PYTHONUNBUFFERED=1 TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic CLOCKS=${CLOCKS-1}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -55,7 +55,8 @@ choice and cuBLAS: the 8B layer shapes at ROWS rows. Why: a program of the MMA t
 (64 x K) from L2 for every slice, so the 64-row o (32-wide slices) and down read 2x their weight's bytes again
 in x, and run 1.16-1.33x their weight-read floor where the 1-row gemv runs ~1.05-1.2x; a slice 4x as wide
 split 4 ways keeps the program count and reads a quarter of that x. Rows carry ``best.split_k``; a split-K
-entry also serves ``skinny_linear_norm_out`` (the verify's o and down).
+entry also serves ``skinny_linear_norm_out`` (the verify's o and down). The shipped choice is timed first. On a
+slower H100 (fifty-fifth session) it won both shapes: the idea did not hold there.
 
 ``rows``: a batch of trees' verify (65-256 rows, the fourth band): SmolLM2's target shapes and LM head at ROWS
 rows; per shape cuBLAS, the default row blocks of 64, and a sweep over the row block too (32 / 64 / 128). Rows
@@ -197,7 +198,7 @@ def main() -> None:
         want = F.linear(x.float(), ws[0].float())
         row = dict(M=M, label=label, N=N, K=K, copies=copies)
         row["cublas_us"] = graph_us(lambda i: torch.mm(x, ws[i].t(), out=outs[i]), copies)
-        default = (measured_tiles(M, N, K) if gemv or splitk or mid or pipe or tma else None) or choose_skinny_config(M, N, K)
+        default = (measured_tiles(M, N, K) if gemv or splitk or mid or pipe or tma or wide else None) or choose_skinny_config(M, N, K)
         sweep = [default]
         grid = itertools.product((16, 32, 64, 128), (64, 128, 256), (4,), (3, 4))  # 24 configs
         if full:
