@@ -357,6 +357,16 @@ def test_switch_and_tiles(monkeypatch):
         skinny_linear._REGISTERED.pop((32, 192, 64))
 
 
+@pytest.mark.parametrize("split_k", [0, 3, 17])
+def test_a_split_past_the_k_steps_is_refused(split_k, kernel_device):
+    """A config's split_k counts K's block_k steps at most (K = 64 at block_k 32: 2 steps), and at least 1."""
+    d = kernel_device
+    x, w, cos, sin = (t.to(d) for t in _inputs(4, 64, 2, 1, 32, torch.float32, seed=1))
+    q, k, v = _outputs(4, 2, 1, 32, torch.float32, d)
+    with pytest.raises(ValueError, match=r"config: split_k must be in 1\.\.2 \(at most K's 2 block_k=32 steps\)"):
+        _launch_skinny_qkv_rope(x, w, None, cos, sin, q, k, v, (16, 16, 32, 4, 2, split_k))
+
+
 def test_tiles_env_replaces_the_choice_and_is_checked(monkeypatch, kernel_device):
     """``TREECOMPILE_SKINNY_ROPE_TILES`` (a sweep's winner in a round A/B) replaces the tiles of every launch;
     a malformed or out-of-range value is refused by name."""
