@@ -116,32 +116,23 @@ def env_switch(name: str, default: bool) -> bool:
     return default if value == "" else value == "1"
 
 
-def env_tiles(name: str, first: str, first_ok, first_rule: str, max_split: int = 0) -> tuple[int, ...] | None:
+def env_tiles(name: str, first: str, first_ok, first_rule: str) -> tuple[int, int, int, int] | None:
     """A sweep winner forced onto every launch of a skinny op (round A/B runs): ``name="<first>,block_k,warps,
     stages"``, or None when unset. ``first`` names the op's slice width and ``first_ok(v)`` checks it (its rule,
     ``first_rule``, goes into the error); block_k a power of two >= 16, warps a power of two <= 16, stages 1..8.
-    ``max_split`` > 0 (an op with split-K): an optional fifth value, split_k in 1..max_split, and the result
-    always has five values (split_k 1 when omitted). A malformed or out-of-range value is refused by name, never
-    clamped."""
+    A malformed or out-of-range value is refused by name, never clamped."""
     value = os.environ.get(name, "").strip()
     if not value:
         return None
-    form = f"'{first},block_k,warps,stages" + (",[split_k]'" if max_split else "'")
     try:
-        values = [int(v) for v in value.split(",")]
+        width, block_k, warps, stages = (int(v) for v in value.split(","))
     except ValueError:
-        raise ValueError(f"{name}: expected integers {form}, got {value!r}") from None
-    if len(values) not in ((4, 5) if max_split else (4,)):
-        raise ValueError(f"{name}: expected {'four or five' if max_split else 'four'} integers {form}, got {value!r}")
-    width, block_k, warps, stages = values[:4]
-    split_k = values[4] if len(values) == 5 else 1
+        raise ValueError(f"{name}: expected four integers '{first},block_k,warps,stages', got {value!r}") from None
     pow2 = all(v > 0 and v & (v - 1) == 0 for v in (width, block_k, warps))
     if not pow2 or not first_ok(width) or block_k < 16 or warps > 16 or not 1 <= stages <= 8:
         raise ValueError(f"{name}: {first} ({first_rule}), block_k (>= 16) and warps (<= 16) powers of two, stages "
                          f"1..8; got {value!r}")  # fmt: skip
-    if max_split and not 1 <= split_k <= max_split:
-        raise ValueError(f"{name}: split_k must be in 1..{max_split}, got {value!r}")
-    return (width, block_k, warps, stages, split_k) if max_split else (width, block_k, warps, stages)
+    return width, block_k, warps, stages
 
 
 def pdl_enabled(device: torch.device) -> bool:

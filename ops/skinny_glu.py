@@ -204,22 +204,21 @@ if HAS_TRITON:
 
     @triton.jit
     def paired_rows_dot(
-        x, w, x_rows, a_rows, b_rows, k_lo, k_hi, K, s_xm, s_wn,
+        x, w, x_rows, a_rows, b_rows, K, s_xm, s_wn,
         EVEN_K: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """``(x[x_rows] @ w[a_rows].T, x[x_rows] @ w[b_rows].T)`` as float32 [BLOCK_M, BLOCK_N] tiles over K in
-        [k_lo, k_hi) (all of K: 0, K; a split-K program: its whole BLOCK_K tiles, so only a range ending at K has a
-        tail): one x tile a K step feeds both weight row ranges (int64 row indices, all in bounds; the K tail masked
+        """``(x[x_rows] @ w[a_rows].T, x[x_rows] @ w[b_rows].T)`` as float32 [BLOCK_M, BLOCK_N] tiles over all of K:
+        one x tile a K step feeds both weight row ranges (int64 row indices, all in bounds; the K tail masked
         unless EVEN_K). Shared by the kernels that pair two slices of one weight: gate / up here, the two halves
         of a head in ``skinny_qkv_rope``. The tiles go from memory straight into the MMA (no register pass over
         x: that made sm_90's wgmma synchronous, module docstring)."""
         rk = tl.arange(0, BLOCK_K)
-        x_ptrs = x + x_rows[:, None] * s_xm + (k_lo + rk)[None, :]
-        a_ptrs = w + a_rows[:, None] * s_wn + (k_lo + rk)[None, :]
-        b_ptrs = w + b_rows[:, None] * s_wn + (k_lo + rk)[None, :]
+        x_ptrs = x + x_rows[:, None] * s_xm + rk[None, :]
+        a_ptrs = w + a_rows[:, None] * s_wn + rk[None, :]
+        b_ptrs = w + b_rows[:, None] * s_wn + rk[None, :]
         acc_a = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_b = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 xt = tl.load(x_ptrs)
                 at = tl.load(a_ptrs)
@@ -267,7 +266,7 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
         g_rows = tl.where(n_ok, rn, 0).to(tl.int64)
         acc_g, acc_u = paired_rows_dot(
-            x, w, tl.where(m_ok, rm, 0).to(tl.int64), g_rows, g_rows + I, 0, K, K, s_xm, s_wn,
+            x, w, tl.where(m_ok, rm, 0).to(tl.int64), g_rows, g_rows + I, K, s_xm, s_wn,
             EVEN_K, PREC, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         if ROW_SCALE:  # r is one number a row: linear(norm_weight * s * r) = r * linear(norm_weight * s)

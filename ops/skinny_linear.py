@@ -613,8 +613,9 @@ def _launch_skinny_linear(
 ) -> None:  # fmt: skip
     """Fill preallocated ``out [M, N]`` (any row stride, last dim contiguous); with ``residual [M, N]`` (any
     row stride, last dim contiguous) out = round(round(x @ weight.T + bias) + residual). ``norm = (u, sumsq,
-    norm_weight)``: the norm-out epilogue (``skinny_linear_norm_out``; residual required, an MMA config): u [M, N] (last dim contiguous) = round(norm_weight * out), sumsq [cdiv(N, block_n), M]
-    float32 contiguous = each slice's sum of out^2."""
+    norm_weight)``: the norm-out epilogue (``skinny_linear_norm_out``; residual required, an MMA config): u [M, N]
+    (last dim contiguous) = round(norm_weight * out), sumsq [cdiv(N, block_n), M] float32 contiguous = each slice's
+    sum of out^2."""
     M, K = x.shape
     N = weight.shape[0]
     cfg = config or _default_config(M, N, K)

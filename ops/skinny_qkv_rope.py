@@ -35,13 +35,9 @@ Forty-second session, H100 SXM (``tests/gpu/rope_bench.py``, 8B shape, 64 rows):
 bit for bit; 21.75 us against 25.83 for cuBLAS q/k/v + the compiled rotary kernel; one 8B round run with it:
 verify(64) 6.508 ms against 6.551-6.556 on other H100s. Forty-third session, one H200, two A/Bs in the same
 machine (``tests/gpu/session69.sh``): verify(64) 5.041 -> 5.010 and 5.026 -> 4.977 ms (notes/gpu-2026-12-05-s43.md).
-
-Split-K (``TREECOMPILE_SKINNY_ROPE_TILES``' fifth value only; no table sets it): each slice's K over 2-4 programs,
-their float32 partials summed in split order by the slice's last program, which runs the epilogue. Built to test
-whether rereading x for every 64 weight rows held the 96 programs back; on a slower H100 (fifty-fifth session,
-``rope_bench.py split``, notes/gpu-2026-12-07-s55) every split config ran slower: 25.2-29.8 us against the
-shipped 21.7 (64-wide halves split 2: 25.2-26.0). Kept for the H200, whose 64-row GEMMs sit further over their
-floors and which has not run the sweep.
+Split-K over the K steps (each slice's partials summed by its last program, then this epilogue) was built and
+timed in the fifty-fifth session on a slower H100 (notes/gpu-2026-12-07-s55): every split config ran 16-37% slower
+than these tiles (25.2-29.8 us against 21.7), so it was taken out again.
 
 Shapes
 ------
@@ -66,8 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from ._common import (
-    HAS_TRITON, check_dim, check_dtype, check_same_device, counter_table, env_switch, env_tiles, pdl_enabled,
-    use_triton,
+    HAS_TRITON, check_dim, check_dtype, check_same_device, env_switch, env_tiles, pdl_enabled, use_triton,
 )
 
 if HAS_TRITON:
@@ -86,9 +81,7 @@ __all__ = [
 MAX_ROWS = 64  # one MMA row block
 MIN_HALF = 16  # a program's features per head half: tl.dot's least N
 ROPE_ENV = "TREECOMPILE_SKINNY_ROPE"
-TILES_ENV = "TREECOMPILE_SKINNY_ROPE_TILES"  # "half,block_k,warps,stages[,split_k]" for every launch (A/B runs)
-MAX_SPLIT_K = 16  # programs a feature slice along K (split-K)
-MAX_PROGRAMS = 1 << 14  # feature slices one split-K launch may count in its counter table
+TILES_ENV = "TREECOMPILE_SKINNY_ROPE_TILES"  # "half,block_k,warps,stages" for every launch (A/B runs, sweeps)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float64: the CPU reference only
 
 
@@ -182,12 +175,11 @@ def rope_wanted() -> bool:
 
 
 def rope_config(M: int, N: int, K: int, D: int):
-    """(block_m, block_n, block_k, num_warps, num_stages, split_k) for the [M, N, K] q/k/v GEMM of head dim D:
-    the nearest swept M's MMA tiles of that shape in ``skinny_linear``'s tables (won against cuBLAS or not), else
-    its default tiles; block_n halved (a program streams block_n rows of each head half: one slice's bytes), the
-    largest power of two <= that dividing D/2, at least ``MIN_HALF``; split_k 1. ``TREECOMPILE_SKINNY_ROPE_TILES``
-    (A/B runs: a sweep winner in a round; its optional fifth value splits K) replaces the choice for every
-    launch."""
+    """(block_m, block_n, block_k, num_warps, num_stages) for the [M, N, K] q/k/v GEMM of head dim D: the
+    nearest swept M's MMA tiles of that shape in ``skinny_linear``'s tables (won against cuBLAS or not), else
+    its default tiles; block_n halved (a program streams block_n rows of each head half: one slice's bytes),
+    the largest power of two <= that dividing D/2, at least ``MIN_HALF``. ``TREECOMPILE_SKINNY_ROPE_TILES`` (A/B
+    runs: ``rope_bench.py``'s sweep winner in a round) replaces the choice for every launch."""
     from .skinny_linear import choose_skinny_config, swept_mma_tiles
 
     forced = _env_tiles(D)
@@ -201,53 +193,35 @@ def rope_config(M: int, N: int, K: int, D: int):
     half = max(MIN_HALF, block_n // 2)
     while half > MIN_HALF and (D // 2) % half:
         half //= 2
-    return max(16, triton.next_power_of_2(M)), half, block_k, warps, stages, 1
+    return max(16, triton.next_power_of_2(M)), half, block_k, warps, stages
 
 
 def _env_tiles(D: int):
-    """``TREECOMPILE_SKINNY_ROPE_TILES="half,block_k,warps,stages[,split_k]"`` checked (``_common.env_tiles``: half
-    a power of two >= MIN_HALF dividing D/2, split_k 1..MAX_SPLIT_K), or None when unset."""
+    """``TREECOMPILE_SKINNY_ROPE_TILES="half,block_k,warps,stages"`` checked (``_common.env_tiles``: half a power
+    of two >= MIN_HALF dividing D/2), or None when unset."""
     return env_tiles(TILES_ENV, "half", lambda half: half >= MIN_HALF and (D // 2) % half == 0,
-                     f">= {MIN_HALF}, dividing D/2 = {D // 2}", max_split=MAX_SPLIT_K)  # fmt: skip
+                     f">= {MIN_HALF}, dividing D/2 = {D // 2}")  # fmt: skip
 
 
 def _launch_skinny_qkv_rope(
     x, weight, bias, cos, sin, q, k, v, config=None, norm_sumsq=None, eps: float = 0.0
 ) -> None:  # fmt: skip
     """Fill preallocated ``q, k, v`` (any row stride, last dim contiguous). ``config``: a ``rope_config`` tuple
-    (tests and sweeps; a five-value one without split_k splits nothing), else ``rope_config``'s choice.
-    ``norm_sumsq``: the RMSNorm row scale (ROW_SCALE; without it the kernel is the plain one). With split_k > 1
-    each feature slice's K runs over split_k programs: their float32 partials meet in a workspace, and the
-    program that arrives last at its slice (a per-device counter table, ``skinny_linear``'s split-K scheme) sums
-    them in split order and runs the epilogue."""
+    (tests and sweeps), else ``rope_config``'s choice. ``norm_sumsq``: the RMSNorm row scale (ROW_SCALE; without
+    it the kernel is the plain one)."""
     M, K = x.shape
     D = cos.shape[1]
     Hq, Hkv = q.shape[1] // D, k.shape[1] // D
-    block_m, block_n, block_k, warps, stages, *rest = config or rope_config(M, weight.shape[0], K, D)
-    split_k = rest[0] if rest else 1
+    block_m, block_n, block_k, warps, stages = config or rope_config(M, weight.shape[0], K, D)
     if block_m < M or (D // 2) % block_n:
         raise ValueError(f"config: block_m={block_m} must cover M={M} and block_n={block_n} divide D/2={D // 2}")
-    k_tiles = triton.cdiv(K, block_k)
-    if not 1 <= split_k <= min(MAX_SPLIT_K, k_tiles):
-        raise ValueError(f"config: split_k must be in 1..{min(MAX_SPLIT_K, k_tiles)} (at most K's {k_tiles} "
-                         f"block_k={block_k} steps), got {split_k}")  # fmt: skip
     pdl = pdl_enabled(x.device)
     per_head = D // 2 // block_n
-    programs = (Hq + 2 * Hkv) * per_head
-    n_total = weight.shape[0]
-    if split_k > 1:
-        if programs > MAX_PROGRAMS:
-            raise ValueError(f"config: a split-K launch counts at most {MAX_PROGRAMS} slices, got {programs}")
-        counters = counter_table("skinny_qkv_rope split-K", x.device, MAX_PROGRAMS)
-        ws = torch.empty((split_k, block_m, n_total), dtype=torch.float32, device=x.device)
-        k_per_split = triton.cdiv(k_tiles, split_k) * block_k
-    else:
-        counters, ws, k_per_split = x, x, K  # unused stand-ins
-    _skinny_qkv_rope_kernel[(programs, split_k)](
-        x, weight, weight if bias is None else bias, cos, sin, q, k, v, ws, counters,
-        M, K, k_per_split, n_total, Hq, Hkv, x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0),
-        cos.stride(0), sin.stride(0), q.stride(0), k.stride(0), v.stride(0), **row_scale_args(x, norm_sumsq, eps),
-        HAS_BIAS=bias is not None, D=D, PER_HEAD=per_head, SPLIT_K=split_k,
+    _skinny_qkv_rope_kernel[((Hq + 2 * Hkv) * per_head,)](
+        x, weight, weight if bias is None else bias, cos, sin, q, k, v,
+        M, K, Hq, Hkv, x.stride(0), weight.stride(0), 0 if bias is None else bias.stride(0), cos.stride(0),
+        sin.stride(0), q.stride(0), k.stride(0), v.stride(0), **row_scale_args(x, norm_sumsq, eps),
+        HAS_BIAS=bias is not None, D=D, PER_HEAD=per_head,
         EVEN_K=K % block_k == 0, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         USE_PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         **(dict(launch_pdl=True) if pdl else {}),
@@ -258,19 +232,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _skinny_qkv_rope_kernel(
-        x, w, b, cos, sin, q, k, v, ws, counters, M, K, k_per_split, N_TOT, Hq, Hkv, s_xm, s_wn, s_b, s_cm, s_sm,
-        s_qm, s_km, s_vm, ss, eps, S,
+        x, w, b, cos, sin, q, k, v, M, K, Hq, Hkv, s_xm, s_wn, s_b, s_cm, s_sm, s_qm, s_km, s_vm, ss, eps, S,
         ROW_SCALE: tl.constexpr, S_P2: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr,
-        PER_HEAD: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-        USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PER_HEAD: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """Program (p, split): head h = p // PER_HEAD (q heads, then k, then v), features [c, c + BLOCK_N) of
-        both its halves, c = (p % PER_HEAD) * BLOCK_N: weight rows h D + c (lo) and h D + D/2 + c (hi),
-        accumulated in two float32 tiles from one x tile a step, over all of K, or with SPLIT_K > 1 over
-        [split * k_per_split, +k_per_split): then the partials go to ``ws [SPLIT_K, BLOCK_M, N_TOT]`` and the
-        slice's last program to arrive (``counters[p]``) sums them in split order (the same sum whichever is
-        last), runs the epilogue and zeroes the counter. Epilogue: ``_rope_store``. Rows past M read row 0 (in
-        bounds) and are dropped at the store."""
+        """Program p: head h = p // PER_HEAD (q heads, then k, then v), features [c, c + BLOCK_N) of both its
+        halves, c = (p % PER_HEAD) * BLOCK_N: weight rows h D + c (lo) and h D + D/2 + c (hi), accumulated over K
+        in two float32 tiles from one x tile a step. Epilogue: (ROW_SCALE) both scaled by the row's norm rsqrt
+        from ``ss`` (``row_rsqrt``), the bias added unscaled (HAS_BIAS), both rounded to x's dtype; q and k heads
+        rotate (lo' = lo cos - hi sin, hi' = hi cos + lo sin in float32), v heads do not; stored to their output.
+        Rows past M read row 0 (in bounds) and are dropped at the store."""
         pid = tl.program_id(0)
         h = pid // PER_HEAD
         c = (pid % PER_HEAD) * BLOCK_N
@@ -283,42 +255,9 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         lo_rows = (h * D + c + rn).to(tl.int64)
-        k_lo = tl.program_id(1) * k_per_split  # whole BLOCK_K tiles (K itself when SPLIT_K == 1)
-        k_hi = tl.minimum(K, k_lo + k_per_split)
         acc_lo, acc_hi = paired_rows_dot(
-            x, w, rows, lo_rows, lo_rows + HALF, k_lo, k_hi, K, s_xm, s_wn, EVEN_K, PREC, BLOCK_M, BLOCK_N, BLOCK_K,
+            x, w, rows, lo_rows, lo_rows + HALF, K, s_xm, s_wn, EVEN_K, PREC, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        if SPLIT_K == 1:
-            _rope_store(acc_lo, acc_hi, b, cos, sin, q, k, v, h, c, rn, rm, rows, m_ok, lo_rows, M, K, Hq, Hkv,
-                        s_b, s_cm, s_sm, s_qm, s_km, s_vm, ss, eps, S, ROW_SCALE, S_P2, HAS_BIAS, D, BLOCK_M)
-        else:
-            part = ws + rm.to(tl.int64)[:, None] * N_TOT + lo_rows[None, :]  # all BLOCK_M rows: no mask
-            mine = tl.program_id(1).to(tl.int64) * BLOCK_M * N_TOT
-            tl.store(part + mine, acc_lo)
-            tl.store(part + mine + HALF, acc_hi)
-            tl.debug_barrier()  # every thread's partial stores precede the counter's release (gpu scope)
-            arrived = tl.atomic_add(counters + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                sum_lo = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                sum_hi = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    split_base = tl.full((), s, tl.int64) * BLOCK_M * N_TOT
-                    sum_lo += tl.load(part + split_base, cache_modifier=".cg")  # through L2: never a stale L1 line
-                    sum_hi += tl.load(part + split_base + HALF, cache_modifier=".cg")
-                _rope_store(sum_lo, sum_hi, b, cos, sin, q, k, v, h, c, rn, rm, rows, m_ok, lo_rows, M, K, Hq, Hkv,
-                            s_b, s_cm, s_sm, s_qm, s_km, s_vm, ss, eps, S, ROW_SCALE, S_P2, HAS_BIAS, D, BLOCK_M)
-                tl.atomic_xchg(counters + pid, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _rope_store(
-        acc_lo, acc_hi, b, cos, sin, q, k, v, h, c, rn, rm, rows, m_ok, lo_rows, M, K, Hq, Hkv,
-        s_b, s_cm, s_sm, s_qm, s_km, s_vm, ss, eps, S,
-        ROW_SCALE: tl.constexpr, S_P2: tl.constexpr, HAS_BIAS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-    ):  # fmt: skip
-        """The epilogue of one slice's float32 sums: (ROW_SCALE) both scaled by the row's norm rsqrt from ``ss``
-        (``row_rsqrt``), the bias added unscaled (HAS_BIAS), both rounded to x's dtype; q and k heads rotate
-        (lo' = lo cos - hi sin, hi' = hi cos + lo sin in float32), v heads do not; stored to their output."""
-        HALF: tl.constexpr = D // 2
         if ROW_SCALE:  # first: r * (W @ (norm_weight * s)), the bias below unscaled
             r = row_rsqrt(ss, eps, S, M, K, rm, S_P2, BLOCK_M)[:, None]
             acc_lo *= r

@@ -7,16 +7,8 @@ against the float64 unfused graph first. Weights rotate over copies (cold reads,
 ``sweep`` also times the op over its tile space (half width, K step, warps, stages; each config checked against
 the float64 reference first) and prints the best: the tiles ``rope_config`` derives from the q/k/v GEMM's entry
 were never swept for the fused op itself.
-
-    python3 tests/gpu/rope_bench.py OUT.json split
-
-``split``: the op with K split over 1-4 programs a slice, halves 32 / 64 wide (each config checked first). The
-shipped tiles run 96 programs on 132 SMs, each rereading the 64 rows of x for its 64 weight rows; 64-wide halves
-split 2 ways keep 96 programs and read half the x. Writes ``best_env``, the winner as a
-``TREECOMPILE_SKINNY_ROPE_TILES`` value (``half,block_k,warps,stages,split_k``) for a round A/B.
 """
 
-import itertools
 import json
 import sys
 
@@ -24,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from paired_sweep import SMEM_LIMIT, sweep_tiles
+from paired_sweep import sweep_tiles
 from treecompile.ops.skinny_qkv_rope import _launch_skinny_qkv_rope, rope_config, skinny_qkv_rope_reference
 
 M, K, HQ, HKV, D = 64, 4096, 32, 8, 128
@@ -89,37 +81,6 @@ def main():
         out["sweep"] = sweep_tiles(
             (16, 32, 64), error, lambda c: _launch_skinny_qkv_rope(x, nxt(), None, cos, sin, q, k, v, c), 0.05
         )
-    if "split" in sys.argv[2:]:
-        q, k, v = (t.clone() for t in got)
-        tried = []
-        grid = [(64, half, block_k, 4, stages, split)
-                for half, block_k, stages, split in itertools.product((32, 64), (128, 256), (3, 4), (1, 2, 3, 4))]
-        for cfg in dict.fromkeys([tuple(rope_config(M, N, K, D))] + grid):  # the shipped choice first
-            if cfg[4] * (64 + 2 * cfg[1]) * cfg[2] * 2 > SMEM_LIMIT:
-                continue
-            try:
-                for t in (q, k, v):
-                    t.fill_(float("nan"))
-                _launch_skinny_qkv_rope(x, ws[0], None, cos, sin, q, k, v, cfg)
-                e = max((g.double() - w).abs().max().item() for g, w in zip((q, k, v), want))
-                if not e < 0.05:
-                    print(f"{cfg} wrong: max err {e}")
-                    continue
-                us = triton.testing.do_bench_cudagraph(
-                    lambda c=cfg: _launch_skinny_qkv_rope(x, nxt(), None, cos, sin, q, k, v, c), rep=100) * 1e3
-            except Exception as exc:  # noqa: BLE001  (a resource the formula missed: not a candidate)
-                print(f"{cfg} failed: {type(exc).__name__}: {str(exc)[:100]}")
-                continue
-            tried.append((us, cfg))
-            print(f"  {us:8.2f} us  {cfg}", flush=True)
-            out["split_sweep"] = [dict(us=t, config=list(c)) for t, c in sorted(tried)]  # kept if cut short
-            json.dump(out, open(sys.argv[1], "w"), indent=1)
-        tried.sort()
-        out["split_sweep"] = [dict(us=us, config=list(c)) for us, c in tried]
-        if tried:
-            best = tried[0][1]
-            out["best_env"] = ",".join(str(v) for v in best[1:])
-            print(f"best {tried[0][0]:.2f} us {best}; TREECOMPILE_SKINNY_ROPE_TILES={out['best_env']}")
     if len(sys.argv) > 1:
         json.dump(out, open(sys.argv[1], "w"), indent=1)
 

@@ -64,10 +64,7 @@ BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_a
 @pytest.mark.parametrize(
     "M,K,Hq,Hkv,D,config",
     [(1, 64, 2, 1, 32, (16, 16, 32, 4, 2)), (17, 72, 4, 2, 32, (32, 16, 32, 4, 2)),
-     (20, 96, 4, 4, 64, (32, 16, 32, 4, 3)), (64, 200, 8, 2, 64, (64, 32, 16, 4, 2)), (33, 64, 6, 2, 64, None),
-     # split-K: 2 / 3 / 4 programs a slice over K (a K tail in the last split; 200 = 12.5 steps of 16)
-     (17, 72, 4, 2, 32, (32, 16, 16, 4, 2, 2)), (64, 200, 8, 2, 64, (64, 32, 16, 4, 2, 3)),
-     (20, 96, 4, 4, 64, (32, 16, 16, 4, 3, 4))],
+     (20, 96, 4, 4, 64, (32, 16, 32, 4, 3)), (64, 200, 8, 2, 64, (64, 32, 16, 4, 2)), (33, 64, 6, 2, 64, None)],
 )  # fmt: skip
 def test_matches_the_float64_unfused_graph(dtype, M, K, Hq, Hkv, D, config, kernel_device):
     d = kernel_device
@@ -142,8 +139,7 @@ def test_op_on_cpu_is_the_reference_and_traces():
 
 
 ROW_SCALE_SHAPES = [(17, 72, 4, 2, 32, (32, 16, 32, 4, 2)), (20, 96, 4, 4, 64, (32, 16, 32, 4, 3)),
-                    (64, 200, 8, 2, 64, (64, 32, 16, 4, 2)),
-                    (64, 200, 8, 2, 64, (64, 32, 16, 4, 2, 3))]  # split-K: the last split scales the summed sums
+                    (64, 200, 8, 2, 64, (64, 32, 16, 4, 2))]  # fmt: skip
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
@@ -344,34 +340,24 @@ def test_switch_and_tiles(monkeypatch):
         rope_wanted()
     monkeypatch.setattr(skinny_linear, "gpu_class", lambda: "H100 SXM")
     assert skinny_linear.measured_tiles(64, 6144, 4096) is None  # cuBLAS keeps the plain GEMM ...
-    assert rope_config(64, 6144, 4096, 128) == (64, 32, 128, 4, 4, 1)  # ... its 64 x 128 tiles serve the fused op
+    assert rope_config(64, 6144, 4096, 128) == (64, 32, 128, 4, 4)  # ... its 64 x 128 tiles serve the fused op
     monkeypatch.setattr(skinny_linear, "gpu_class", lambda: None)
-    assert rope_config(40, 6144, 4096, 128) == (64, 16, 128, 4, 4, 1)  # the H200's 32-wide entry, nearest M 64
+    assert rope_config(40, 6144, 4096, 128) == (64, 16, 128, 4, 4)  # the H200's 32-wide entry, nearest M 64
     assert rope_config(64, 6144, 4096, 96)[1] == 16  # 48 features a half: 16 divides it, 32 does not
     row = dict(M=32, N=192, K=64, cublas_us=10.0, best=dict(block_n=64, block_k=32, warps=4, stages=2, us=8.0))
     skinny_linear.register_tiles([row])
     try:
-        assert rope_config(32, 192, 64, 32) == (32, 16, 32, 4, 2, 1)  # D/2 = 16 caps the half at 16
-        assert rope_config(32, 192, 64, 64) == (32, 32, 32, 4, 2, 1)
+        assert rope_config(32, 192, 64, 32) == (32, 16, 32, 4, 2)  # D/2 = 16 caps the half at 16
+        assert rope_config(32, 192, 64, 64) == (32, 32, 32, 4, 2)
     finally:
         skinny_linear._REGISTERED.pop((32, 192, 64))
-
-
-@pytest.mark.parametrize("split_k", [0, 3, 17])
-def test_a_split_past_the_k_steps_is_refused(split_k, kernel_device):
-    """A config's split_k counts K's block_k steps at most (K = 64 at block_k 32: 2 steps), and at least 1."""
-    d = kernel_device
-    x, w, cos, sin = (t.to(d) for t in _inputs(4, 64, 2, 1, 32, torch.float32, seed=1))
-    q, k, v = _outputs(4, 2, 1, 32, torch.float32, d)
-    with pytest.raises(ValueError, match=r"config: split_k must be in 1\.\.2 \(at most K's 2 block_k=32 steps\)"):
-        _launch_skinny_qkv_rope(x, w, None, cos, sin, q, k, v, (16, 16, 32, 4, 2, split_k))
 
 
 def test_tiles_env_replaces_the_choice_and_is_checked(monkeypatch, kernel_device):
     """``TREECOMPILE_SKINNY_ROPE_TILES`` (a sweep's winner in a round A/B) replaces the tiles of every launch;
     a malformed or out-of-range value is refused by name."""
     monkeypatch.setenv(TILES_ENV, "32, 64, 8, 3")
-    assert rope_config(40, 6144, 4096, 128) == (64, 32, 64, 8, 3, 1)
+    assert rope_config(40, 6144, 4096, 128) == (64, 32, 64, 8, 3)
     d = kernel_device
     M, K, Hq, Hkv, D = 20, 96, 2, 1, 64
     x, w, cos, sin = (t.to(d) for t in _inputs(M, K, Hq, Hkv, D, torch.float32, seed=9))
@@ -380,15 +366,7 @@ def test_tiles_env_replaces_the_choice_and_is_checked(monkeypatch, kernel_device
     _launch_skinny_qkv_rope(x, w, None, cos, sin, q, k, v)  # the env's tiles: 32 of each 32-wide half, K step 64
     for got, want in zip((q, k, v), _hf_float64(x, w, cos, sin, Hq, Hkv)):
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv(TILES_ENV, "32, 16, 4, 3, 4")  # a fifth value splits K
-    assert rope_config(40, 6144, 4096, 128) == (64, 32, 16, 4, 3, 4)
-    q, k, v = poisoned((M, Hq * D), torch.float32, d), poisoned((M, Hkv * D), torch.float32, d), poisoned(
-        (M, Hkv * D), torch.float32, d)  # fmt: skip
-    _launch_skinny_qkv_rope(x, w, None, cos, sin, q, k, v)
-    for got, want in zip((q, k, v), _hf_float64(x, w, cos, sin, Hq, Hkv)):
-        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
-    for bad in ("32,64,8", "a,b,c,d", "24,64,4,3", "8,64,4,3", "128,64,4,3", "32,64,32,3", "32,64,4,9", "32,8,4,3",
-                "32,64,4,3,0", "32,64,4,3,17", "32,64,4,3,2,1"):
+    for bad in ("32,64,8", "a,b,c,d", "24,64,4,3", "8,64,4,3", "128,64,4,3", "32,64,32,3", "32,64,4,9", "32,8,4,3"):
         monkeypatch.setenv(TILES_ENV, bad)
         with pytest.raises(ValueError, match=TILES_ENV):
             rope_config(40, 6144, 4096, 128)
