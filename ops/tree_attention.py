@@ -10,7 +10,7 @@ page_table   : ``int32/int64 [B, max_pages]``; key t of request b lives in slot
 prefix_len   : ``int64 [B]``  P_b, the committed keys ``[0, P_b)`` every row sees
 ancestor_mask: ``int64 [B, R]``  row r sees key ``P_b + j`` iff bit j (< window) is set
 page_size, window (W <= 64), scale : ints / float, static
-prefetch     : optional contiguous tensor on q's device, hinted into L2 while the kernels run (below)
+prefetch     : optional contiguous tensor on q's device, prefetched into L2 while the kernels run (below)
 out          : ``[B, R, Hq, D]`` in q's dtype. A row that sees no key at all gets zeros.
 
 Paged op with the cache write ``torch.ops.treespec.tree_attention_paged_write``
@@ -22,9 +22,10 @@ the whole window, ``window == R``, offset 0; a draft lane step: its K columns of
 ``window_offset`` an int (default 0; ``window_offset + R <= window``); mutates both caches, returns the
 attention. ``prefetch`` (optional, default None): a contiguous tensor on q's device that the next kernels will
 read, typically the weight of the projection that consumes this attention (``passes/prefetch_weights.py``).
-On CUDA the stage-1 programs hint its 128-byte lines into L2 while the attention runs: the attention is
-latency-bound and leaves HBM mostly idle, and the weight stream after it then starts from L2. A hint only:
-it changes no value, and the CPU path ignores it. On CUDA the window programs read window key j of request b from row ``b * R + j - window_offset``
+On CUDA each stage-1 program prefetches its share into L2 with one bulk prefetch while the attention runs: the
+attention is latency-bound and leaves HBM mostly idle, and the weight stream after it then starts from L2. A
+hint only: it changes no value, and the CPU path ignores it (so does a tensor whose address is not 16-byte
+aligned). On CUDA the window programs read window key j of request b from row ``b * R + j - window_offset``
 whenever that row is written to the key's own slot (else from the cache, as it was before the call: the lane
 window's earlier columns, written by earlier steps) and one of them writes the
 rows: the cache write costs no launch of its own. Contract for the GPU path: a row written to a slot other
