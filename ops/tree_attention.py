@@ -278,7 +278,7 @@ def _validate_prefetch(prefetch, q) -> None:
     if prefetch.device != q.device:
         raise ValueError(f"prefetch: must be on q's device {q.device}, got {prefetch.device}")
     if not prefetch.is_contiguous():
-        raise ValueError(f"prefetch: must be contiguous (its lines are hinted as one range), got strides {prefetch.stride()}")
+        raise ValueError(f"prefetch: must be contiguous (it is prefetched as one byte range), got strides {prefetch.stride()}")
 
 
 def _values_checkable(*tensors: torch.Tensor) -> bool:
@@ -324,7 +324,7 @@ def _launch_tree_attention_paged(
 ):  # fmt: skip
     """Run the cascade (prefix splits + window, then the merge). ``num_splits`` overrides the static choice;
     ``new_rows = (k, v, slots)``: the window reads and writes this call's rows (``tree_attention_paged_write``),
-    window keys ``[window_offset, window_offset + R)``; ``prefetch``: a tensor hinted into L2 meanwhile."""
+    window keys ``[window_offset, window_offset + R)``; ``prefetch``: a tensor prefetched into L2 meanwhile."""
     from ._tree_attention_kernels import launch_cascade
 
     _check_kernel_limits(q)

@@ -12,7 +12,7 @@ treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), a verify 
 rotary embedding run as one treespec::skinny_qkv_rope call (``TREECOMPILE_SKINNY_ROPE=0`` turns it off), and 16-bit
 CUDA linears of <= 256 rows run on Triton tiles; then, where ``TREECOMPILE_FUSE_NORM=1`` asks, the residual add and
 RMSNorm before those two calls go into the epilogue of the skinny_linear that produced their input; opt-in
-(``TREECOMPILE_WEIGHT_PREFETCH=1``), each attention then hints its o projection's weight into L2.
+(``TREECOMPILE_WEIGHT_PREFETCH=1`` / ``end``), each attention then prefetches its o projection's weight into L2.
 Last, an eager CPU graph calls the attention ops' CPU implementations directly (no dispatcher).
 """
 

@@ -105,7 +105,7 @@ class EagleAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.qkv_weight: torch.Tensor | None = None  # set by EagleDrafter.fuse_projections (not a parameter)
         self.linear = nn.functional.linear  # the fused GEMM's function (EagleDrafter.skinny_linears swaps it)
-        # Each step hints o_proj's weight into L2 while its attention runs (TREECOMPILE_WEIGHT_PREFETCH=1;
+        # Each step prefetches o_proj's weight into L2 while its attention runs (TREECOMPILE_WEIGHT_PREFETCH=1 / end;
         # passes/prefetch_weights.py says why). Read once here, not in forward, where Dynamo would trace it.
         self.prefetch_o = weight_prefetch_enabled()
 
