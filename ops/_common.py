@@ -57,20 +57,6 @@ if HAS_TRITON:
             "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
         )
 
-    @triton.jit
-    def prefetch_l2_bulk(ptr, nbytes):
-        """Prefetch ``nbytes`` (a multiple of 16, > 0) from ``ptr`` (16-byte aligned, a scalar pointer) into L2
-        with one sm_90 ``cp.async.bulk.prefetch.L2.global``, issued by thread 0 of the program only: the copy
-        engine (TMA unit) walks the range, so the program spends one instruction where per-line
-        ``prefetch.global.L2`` hints cost an instruction a 128-byte line (the thirty-seventh session's weight
-        prefetch issued ~1000 a program and lost 1-2%). A hint: it changes no value (``prefetch_l2``)."""
-        tl.inline_asm_elementwise(
-            "{\n\t.reg .pred %p_t0;\n\t.reg .b32 %r_tid;\n\tmov.u32 %r_tid, %tid.x;\n\t"
-            "setp.eq.u32 %p_t0, %r_tid, 0;\n\t@%p_t0 cp.async.bulk.prefetch.L2.global [$1], $2;\n\t"
-            "mov.u32 $0, 0;\n\t}",
-            "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1,
-        )
-
 
 _COUNTER_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
@@ -181,25 +167,6 @@ def inductor_pdl_patch(device: torch.device | None = None) -> dict:
     import torch._inductor.config as inductor_config
 
     return {"triton.enable_pdl": True} if hasattr(inductor_config, "triton.enable_pdl") else {}
-
-
-WEIGHT_PREFETCH_ENV = "TREECOMPILE_WEIGHT_PREFETCH"
-
-
-def weight_prefetch_mode() -> str:
-    """``TREECOMPILE_WEIGHT_PREFETCH``: "0" (default), "1" or "end". Off by default until timed (issue 4).
-    "1" and "end": each attention call prefetches the weight of the projection that consumes it into L2
-    (``passes/prefetch_weights.py``, the drafter's attention), at the start of the stage-1 programs ("1") or
-    after their own work ("end")."""
-    value = os.environ.get(WEIGHT_PREFETCH_ENV, "").strip() or "0"
-    if value not in ("0", "1", "end"):
-        raise ValueError(f"{WEIGHT_PREFETCH_ENV}: expected 0, 1 or end, got {value!r}")
-    return value
-
-
-def weight_prefetch_enabled() -> bool:
-    """Whether attention calls take the next projection's weight as ``prefetch`` (``weight_prefetch_mode``)."""
-    return weight_prefetch_mode() != "0"
 
 
 COMBO_ENV = "TREECOMPILE_COMBO_KERNELS"

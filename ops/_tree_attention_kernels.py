@@ -49,10 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    check_l2_prefetch, pdl_enabled, prefetch_l2, prefetch_l2_bulk, tma_device_ok, triton_interpret,
-    weight_prefetch_mode,
-)
+from ._common import check_l2_prefetch, pdl_enabled, prefetch_l2, tma_device_ok, triton_interpret
 
 logger = logging.getLogger(__name__)
 
@@ -217,13 +214,11 @@ def _env_overrides() -> dict:
 
 def launch_cascade(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None,
-    config: CascadeConfig | None = None, new_rows=None, window_offset: int = 0, prefetch=None,
+    config: CascadeConfig | None = None, new_rows=None, window_offset: int = 0,
 ):  # fmt: skip
     """Stage 1 + stage 2 on q ``[B, R, Hq, D]``; returns ``[B, R, Hq, D]`` in q's dtype. ``new_rows = (k, v,
     slots)``, ``k, v [B * R, Hkv, D]``: written to the caches by the window programs, which read window keys
-    ``[window_offset, window_offset + R)`` from them (module docstring). ``prefetch``: a contiguous tensor the
-    stage-1 programs prefetch into L2, an equal share each, with one bulk prefetch a program, before their own
-    work (``TREECOMPILE_WEIGHT_PREFETCH=1``) or after it (``=end``)."""
+    ``[window_offset, window_offset + R)`` from them (module docstring)."""
     B, R, Hq, D = q.shape
     num_slots, Hkv, _ = k_cache.shape
     G = Hq // Hkv
@@ -252,16 +247,6 @@ def launch_cascade(
     l2_prefetch = check_l2_prefetch("config", cfg.l2_prefetch)
     if page_size % cfg.block_n:  # the hints take a tile to lie in one page (one page-table read a tile)
         l2_prefetch = 0
-    # The prefetch's bytes (a hint: the interpreter has no L2 and skips it, as does an empty tensor). A bulk
-    # prefetch takes a multiple of 16 bytes from a 16-byte aligned address: each program's share is rounded up
-    # to 16 and the total down (a tail of < 16 bytes is left to the GEMM's own loads).
-    pf_bytes = 0
-    if prefetch is not None and not triton_interpret() and prefetch.data_ptr() % 16 == 0:
-        pf_bytes = min(prefetch.numel() * prefetch.element_size(), prefetch_cap_bytes()) // 16 * 16
-    pf = prefetch if pf_bytes else prefix_len  # unused when PREFETCH == 0
-    programs = B * Hkv * nrb * (NS + 1)
-    pf_chunk = triton.cdiv(triton.cdiv(pf_bytes, programs), 16) * 16 if pf_bytes else 0
-    pf_mode = (2 if weight_prefetch_mode() == "end" else 1) if pf_bytes else 0
     tma = cfg.tma and _tma_layout_ok(k_cache, v_cache, page_size, cfg.block_n)
     if tma:
         k_desc, v_desc = (_tile_descriptor(c, cfg.block_n) for c in (k_cache, v_cache))
@@ -275,7 +260,6 @@ def launch_cascade(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), page_table.stride(1), prefix_len.stride(0), ancestor_mask.stride(0),
         ancestor_mask.stride(1), max_pages, num_slots // page_size, R, float(scale) * LOG2E, NS,
-        pf, pf_bytes, pf_chunk, PREFETCH=pf_mode,
         HKV=Hkv, G=G, PAGE=page_size, WINDOW=window, NRB=nrb, D=D,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_W=max(16, triton.next_power_of_2(max(window, 1))),
         MIN_CHUNK=cfg.min_chunk, PREC=prec, NEW_ROWS=new_rows is not None, TMA=tma, USE_PDL=pdl,
@@ -291,26 +275,6 @@ def launch_cascade(
         num_warps=cfg.merge_warps, **launch,
     )  # fmt: skip
     return out
-
-
-PREFETCH_MB_ENV = "TREECOMPILE_WEIGHT_PREFETCH_MB"
-
-
-def prefetch_cap_bytes() -> int:
-    """The most bytes of a ``prefetch`` tensor one launch prefetches: its leading
-    ``TREECOMPILE_WEIGHT_PREFETCH_MB`` megabytes (default: all of it). For an A/B of how much of a weight the
-    attention's idle time can fetch (an 8B layer's ~7 us at ~4.3 TB/s is ~30 MB; its o weight 33.5 MB). Read at
-    launch, i.e. when a CUDA graph captures it."""
-    value = os.environ.get(PREFETCH_MB_ENV, "").strip()
-    if not value:
-        return 1 << 62
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"{PREFETCH_MB_ENV}: expected a number of megabytes >= 0, got {value!r}")
-    return int(mb * 2**20)
 
 
 def _tma_layout_ok(k_cache, v_cache, page_size: int, block_n: int) -> bool:
@@ -347,17 +311,11 @@ def cascade_partial_kernel(
     s_kc, s_kh, s_vc, s_vh,
     s_pt, s_pp, s_pl, s_ab, s_ar,
     max_pages, num_pages, R, qk_scale, NS,
-    pf, pf_bytes, pf_chunk, PREFETCH: tl.constexpr,
     HKV: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, WINDOW: tl.constexpr,
     NRB: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
     MIN_CHUNK: tl.constexpr, PREC: tl.constexpr, NEW_ROWS: tl.constexpr, TMA: tl.constexpr,
     USE_PDL: tl.constexpr, L2_PREFETCH: tl.constexpr, L2_LINES: tl.constexpr, L2_LINE_ELEMS: tl.constexpr,
 ):  # fmt: skip
-    if PREFETCH == 1:
-        # Another tensor (the weight the next GEMM streams) prefetched into L2, this program's share: a
-        # constant, so it may precede the dependency wait. One bulk prefetch holds no registers and blocks
-        # nothing; the bytes arrive while this latency-bound attention runs.
-        _prefetch_share(pf, pf_bytes, pf_chunk)
     if L2_PREFETCH > 0:
         # Before the dependency wait (under PDL the previous kernel may still run): hint this split's first
         # L2_PREFETCH prefix tiles of K and V into L2, so the loads after the wait hit L2 instead of HBM.
@@ -461,8 +419,6 @@ def cascade_partial_kernel(
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     o_ptrs = o_part + (row[:, None] * (NS + 1) + split) * D + d[None, :]
     tl.store(o_ptrs, o, mask=(row_ok & ~empty)[:, None])
-    if PREFETCH == 2:  # after this program's own loads: the merge and the GEMM's first tiles still follow
-        _prefetch_share(pf, pf_bytes, pf_chunk)
 
 
 @triton.jit
@@ -474,17 +430,6 @@ def _split_keys(P, capacity, split, NS, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.con
     per_split = tl.maximum(tl.cdiv(tl.cdiv(p_end, BLOCK_N), NS), MIN_CHUNK // BLOCK_N)
     start = split * per_split * BLOCK_N
     return start, tl.minimum(start + per_split * BLOCK_N, p_end)
-
-
-@triton.jit
-def _prefetch_share(pf, pf_bytes, pf_chunk):
-    """Bytes ``[p * pf_chunk, (p + 1) * pf_chunk)`` of ``pf`` (clipped to ``pf_bytes``; both multiples of 16)
-    into L2, p the program's flat index over the (program, split) grid: one bulk prefetch (``prefetch_l2_bulk``)."""
-    p = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    first = p.to(tl.int64) * pf_chunk
-    n = tl.minimum(pf_bytes - first, pf_chunk)
-    if n > 0:
-        prefetch_l2_bulk(pf.to(tl.pointer_type(tl.int8)) + first, n.to(tl.int32))
 
 
 @triton.jit

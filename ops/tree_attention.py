@@ -10,7 +10,6 @@ page_table   : ``int32/int64 [B, max_pages]``; key t of request b lives in slot
 prefix_len   : ``int64 [B]``  P_b, the committed keys ``[0, P_b)`` every row sees
 ancestor_mask: ``int64 [B, R]``  row r sees key ``P_b + j`` iff bit j (< window) is set
 page_size, window (W <= 64), scale : ints / float, static
-prefetch     : optional contiguous tensor on q's device, prefetched into L2 while the kernels run (below)
 out          : ``[B, R, Hq, D]`` in q's dtype. A row that sees no key at all gets zeros.
 
 Paged op with the cache write ``torch.ops.treespec.tree_attention_paged_write``
@@ -20,12 +19,7 @@ R new rows are window keys ``[window_offset, window_offset + R)`` (a target's ve
 the whole window, ``window == R``, offset 0; a draft lane step: its K columns of the lane window, offset
 ``(step - 1) * K``): k, v ``[B * R, Hkv, D]`` (the caches' dtype), slots ``int64 [B * R]``,
 ``window_offset`` an int (default 0; ``window_offset + R <= window``); mutates both caches, returns the
-attention. ``prefetch`` (optional, default None): a contiguous tensor on q's device that the next kernels will
-read, typically the weight of the projection that consumes this attention (``passes/prefetch_weights.py``).
-On CUDA each stage-1 program prefetches its share into L2 with one bulk prefetch while the attention runs: the
-attention is latency-bound and leaves HBM mostly idle, and the weight stream after it then starts from L2. A
-hint only: it changes no value, and the CPU path ignores it (so does a tensor whose address is not 16-byte
-aligned). On CUDA the window programs read window key j of request b from row ``b * R + j - window_offset``
+attention. On CUDA the window programs read window key j of request b from row ``b * R + j - window_offset``
 whenever that row is written to the key's own slot (else from the cache, as it was before the call: the lane
 window's earlier columns, written by earlier steps) and one of them writes the
 rows: the cache write costs no launch of its own. Contract for the GPU path: a row written to a slot other
@@ -80,22 +74,19 @@ def tree_attention_paged(
     page_size: int,
     window: int,
     scale: float,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention over a paged KV cache (see the module docstring for shapes and semantics)."""
     _validate_paged(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window)
-    _validate_prefetch(prefetch, q)
     if use_triton(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask):
         return _launch_tree_attention_paged(
-            q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, prefetch=prefetch
+            q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale
         )
     return _tree_attention_paged_cpu(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale)
 
 
 @tree_attention_paged.register_fake
-def _(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, prefetch=None):
+def _(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale):
     _validate_paged(q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window)
-    _validate_prefetch(prefetch, q)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -114,17 +105,15 @@ def tree_attention_paged_write(
     window: int,
     scale: float,
     window_offset: int = 0,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the R new rows of each request, then tree attention over the cache (module docstring)."""
     _validate_paged_write(
         q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, window_offset
     )
-    _validate_prefetch(prefetch, q)
     if use_triton(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask):
         return _launch_tree_attention_paged(
             q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale,
-            new_rows=(k, v, slots), window_offset=window_offset, prefetch=prefetch,
+            new_rows=(k, v, slots), window_offset=window_offset,
         )  # fmt: skip
     from .kv_write import kv_write_reference
 
@@ -133,14 +122,10 @@ def tree_attention_paged_write(
 
 
 @tree_attention_paged_write.register_fake
-def _(
-    q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, scale, window_offset=0,
-    prefetch=None,
-):  # fmt: skip
+def _(q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, scale, window_offset=0):
     _validate_paged_write(
         q, k_cache, v_cache, k, v, slots, page_table, prefix_len, ancestor_mask, page_size, window, window_offset
     )
-    _validate_prefetch(prefetch, q)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -269,18 +254,6 @@ def _check_kernel_limits(q) -> None:
     check_dtype("q", q, torch.bfloat16, torch.float16, torch.float32)
 
 
-def _validate_prefetch(prefetch, q) -> None:
-    """``prefetch``: None, or a contiguous tensor on q's device (metadata only)."""
-    if prefetch is None:
-        return
-    if not isinstance(prefetch, torch.Tensor):
-        raise ValueError(f"prefetch: expected a tensor or None, got {type(prefetch).__name__}")
-    if prefetch.device != q.device:
-        raise ValueError(f"prefetch: must be on q's device {q.device}, got {prefetch.device}")
-    if not prefetch.is_contiguous():
-        raise ValueError(f"prefetch: must be contiguous (it is prefetched as one byte range), got strides {prefetch.stride()}")
-
-
 def _values_checkable(*tensors: torch.Tensor) -> bool:
     """Value checks need a host read: only outside compilation and outside CUDA graph capture."""
     if torch.compiler.is_compiling():
@@ -320,17 +293,17 @@ def validate_tree_attention_values(
 
 def _launch_tree_attention_paged(
     q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits=None,
-    new_rows=None, window_offset: int = 0, prefetch=None,
+    new_rows=None, window_offset: int = 0,
 ):  # fmt: skip
     """Run the cascade (prefix splits + window, then the merge). ``num_splits`` overrides the static choice;
     ``new_rows = (k, v, slots)``: the window reads and writes this call's rows (``tree_attention_paged_write``),
-    window keys ``[window_offset, window_offset + R)``; ``prefetch``: a tensor prefetched into L2 meanwhile."""
+    window keys ``[window_offset, window_offset + R)``."""
     from ._tree_attention_kernels import launch_cascade
 
     _check_kernel_limits(q)
     return launch_cascade(
         q, k_cache, v_cache, page_table, prefix_len, ancestor_mask, page_size, window, scale, num_splits,
-        new_rows=new_rows, window_offset=window_offset, prefetch=prefetch,
+        new_rows=new_rows, window_offset=window_offset,
     )  # fmt: skip
 
 

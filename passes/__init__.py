@@ -11,8 +11,7 @@ faster fused runs as one treespec::fused_mlp call, a verify tree's gate/up and s
 treespec::skinny_glu call (``TREECOMPILE_SKINNY_GLU=0`` turns it off), a verify tree's q/k/v projection and
 rotary embedding run as one treespec::skinny_qkv_rope call (``TREECOMPILE_SKINNY_ROPE=0`` turns it off), and 16-bit
 CUDA linears of <= 256 rows run on Triton tiles; then, where ``TREECOMPILE_FUSE_NORM=1`` asks, the residual add and
-RMSNorm before those two calls go into the epilogue of the skinny_linear that produced their input; opt-in
-(``TREECOMPILE_WEIGHT_PREFETCH=1`` / ``end``), each attention then prefetches its o projection's weight into L2.
+RMSNorm before those two calls go into the epilogue of the skinny_linear that produced their input.
 Last, an eager CPU graph calls the attention ops' CPU implementations directly (no dispatcher).
 """
 
@@ -27,7 +26,6 @@ from .fuse_residual_norm import fuse_residual_norm
 from .fuse_projections import fuse_projections
 from .outer_products import outer_products
 from .pack_cpu_linears import pack_cpu_linears
-from .prefetch_weights import prefetch_weights
 from .rewrite_attention import rewrite_attention
 from .rewrite_linear_attention import rewrite_linear_attention
 from .skinny_linears import skinny_linears
@@ -35,12 +33,11 @@ from .skinny_linears import skinny_linears
 PASSES: list = [
     rewrite_attention, rewrite_linear_attention, check_attention_rewritten, fuse_cache_write, outer_products,
     fuse_projections, pack_cpu_linears, fuse_mlp, fuse_glu, fuse_qkv_rope, skinny_linears, fuse_residual_norm,
-    prefetch_weights, clean_up_graph, direct_cpu_ops,
+    clean_up_graph, direct_cpu_ops,
 ]
 
 __all__ = [
     "PASSES", "rewrite_attention", "rewrite_linear_attention", "check_attention_rewritten", "fuse_cache_write",
     "outer_products", "fuse_projections", "pack_cpu_linears", "fuse_mlp", "fuse_glu", "fuse_qkv_rope",
-    "skinny_linears", "fuse_residual_norm", "prefetch_weights",
-    "clean_up_graph", "direct_cpu_ops",
+    "skinny_linears", "fuse_residual_norm", "clean_up_graph", "direct_cpu_ops",
 ]

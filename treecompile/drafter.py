@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from treecompile.kv_cache import PagedKVCache
-from treecompile.ops._common import env_switch, weight_prefetch_enabled
+from treecompile.ops._common import env_switch
 from treecompile.ops.draft_topk import MAX_K as MAX_TOPK
 from treecompile.ops.fused_mlp import fold_norm_wanted, mlp_applies
 from treecompile.registry import Support, TreeSupport
@@ -105,9 +105,6 @@ class EagleAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.qkv_weight: torch.Tensor | None = None  # set by EagleDrafter.fuse_projections (not a parameter)
         self.linear = nn.functional.linear  # the fused GEMM's function (EagleDrafter.skinny_linears swaps it)
-        # Each step prefetches o_proj's weight into L2 while its attention runs (TREECOMPILE_WEIGHT_PREFETCH=1 / end;
-        # passes/prefetch_weights.py says why). Read once here, not in forward, where Dynamo would trace it.
-        self.prefetch_o = weight_prefetch_enabled()
 
     def forward(self, x, cos, sin, cache, slots, prefix_len, ancestor_mask, window, window_offset=None):
         B, T, _ = x.shape
@@ -122,13 +119,12 @@ class EagleAttention(nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        hint = {"prefetch": self.o_proj.weight} if self.prefetch_o else {}  # (only then: older caches lack it)
         if window_offset is not None:  # the rows are window keys [offset, offset + T): one op writes and attends
             out = cache.write_attention(0, q.contiguous(), k, v, slots, ancestor_mask, window, self.scaling,
-                                        prefix_len, window_offset, **hint)  # fmt: skip
+                                        prefix_len, window_offset)  # fmt: skip
         else:
             cache.write(0, k, v, slots)
-            out = cache.attention(0, q.contiguous(), ancestor_mask, window, self.scaling, prefix_len, **hint)
+            out = cache.attention(0, q.contiguous(), ancestor_mask, window, self.scaling, prefix_len)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 

@@ -135,16 +135,14 @@ class PagedKVCache(torch.nn.Module):
         window: int,
         scale: float,
         prefix_len: torch.Tensor | None = None,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tree attention of ``q [B, R, Hq, D]`` over ``layer``'s cache for requests ``0..B-1``; the prefix
-        is :attr:`lengths` unless ``prefix_len int64 [B]`` is given; ``prefetch``: a tensor the kernels hint
-        into L2 meanwhile (the next projection's weight)."""
+        is :attr:`lengths` unless ``prefix_len int64 [B]`` is given."""
         B = q.shape[0]
         return torch.ops.treespec.tree_attention_paged(
             q, getattr(self, f"k{layer}"), getattr(self, f"v{layer}"), self.page_table[:B],
             self.lengths[:B] if prefix_len is None else prefix_len, ancestor_mask, self.page_size,
-            window, scale, prefetch=prefetch,
+            window, scale,
         )  # fmt: skip
 
     def write_attention(
@@ -159,19 +157,17 @@ class PagedKVCache(torch.nn.Module):
         scale: float,
         prefix_len: torch.Tensor | None = None,
         window_offset: int = 0,
-        prefetch: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`write` of ``k, v [B, T, Hkv, D]`` at ``slots [B, T]``, then :meth:`attention` of ``q [B, T,
         Hq, D]``, as one op (``tree_attention_paged_write``: on CUDA the window programs write the rows and
-        read them as window keys ``[window_offset, window_offset + T)``; ``prefetch``: a tensor they hint
-        into L2 meanwhile, the next projection's weight)."""
+        read them as window keys ``[window_offset, window_offset + T)``)."""
         B, T = q.shape[:2]
         Hkv, D = k.shape[-2:]
         return torch.ops.treespec.tree_attention_paged_write(
             q, getattr(self, f"k{layer}"), getattr(self, f"v{layer}"), k.reshape(B * T, Hkv, D),
             v.reshape(B * T, Hkv, D), slots.reshape(B * T), self.page_table[:B],
             self.lengths[:B] if prefix_len is None else prefix_len, ancestor_mask, self.page_size, window, scale,
-            window_offset, prefetch=prefetch,
+            window_offset,
         )  # fmt: skip
 
     def reset(self, rows: torch.Tensor | list[int] | None = None) -> None:

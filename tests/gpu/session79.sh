@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# RAN in the fifty-seventh session on two H100s (the bulk prefetch did not pay and was removed again;
+# TREECOMPILE_WEIGHT_PREFETCH no longer exists; restorable from a3f1e0f).
 # Issue 4: the o projection's weight bulk-prefetched into L2 during its attention (carry .whl; any H100 or H200;
 # ~450-585 s). Why: at 1 and 4 rows the 8B o (33.5 MB, the one 8B weight that fits in L2) streams at 1.2-1.7x its
 # read floor (H100 draft trace: 17 us against 11), and at 64 rows at ~1.3x, while the attention just before it is

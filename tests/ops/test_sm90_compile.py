@@ -28,9 +28,9 @@ ASYNC_COPY = re.compile(r"async_copy_global_to_local|async_tma_copy_global_to_lo
 CASCADE_TYPES = dict(
     q="*bf16", k_cache="*bf16", v_cache="*bf16", page_table="*i32", prefix_len="*i64", ancestor_mask="*i64",
     o_part="*fp32", lse_part="*fp32", k_desc="*bf16", v_desc="*bf16", k_new="*bf16", v_new="*bf16",
-    new_slots="*i64", qk_scale="fp32", pf="*bf16",
+    new_slots="*i64", qk_scale="fp32",
 )  # fmt: skip
-CASCADE_SCALARS = ("R", "NS", "num_slots", "max_pages", "num_pages", "pf_bytes", "pf_chunk")  # any value
+CASCADE_SCALARS = ("R", "NS", "num_slots", "max_pages", "num_pages")  # any value: no divisibility
 SKINNY_TYPES = dict(x="*bf16", w="*bf16", b="*bf16", r="*bf16", out="*bf16", ws="*fp32", counters="*i32")
 
 
@@ -38,16 +38,14 @@ def _cases() -> dict:
     """name -> (module, kernel, constexprs, types, unaligned args, num_warps, num_stages)."""
     cases = {}
     for tma in (False, True):
-        for new_rows, pdl, l2, pf in ((False, False, 0, 0), (True, True, 0, 0), (True, True, 4, 0),
-                                      (True, True, 0, 1), (True, True, 0, 2)):
+        for new_rows, pdl, l2 in ((False, False, 0), (True, True, 0), (True, True, 4)):
             types = dict(CASCADE_TYPES)
             if tma:
                 types["k_desc"] = types["v_desc"] = "tensordesc<bf16[64,128]>"
             const = dict(HKV=8, G=4, PAGE=64, WINDOW=64, NRB=4, D=128, BLOCK_M=64, BLOCK_N=64, BLOCK_W=64,
                          MIN_CHUNK=256, PREC="tf32", NEW_ROWS=new_rows, TMA=tma, USE_PDL=pdl, L2_PREFETCH=l2,
-                         L2_LINES=2, L2_LINE_ELEMS=64, PREFETCH=pf)  # fmt: skip
+                         L2_LINES=2, L2_LINE_ELEMS=64)  # fmt: skip
             name = f"stage1-{'tma' if tma else 'pointers'}-{'write+pdl' if pdl else 'plain'}{'-l2' if l2 else ''}"
-            name += {0: "", 1: "-pf", 2: "-pfend"}[pf]
             cases[name] = ("_tree_attention_kernels", "cascade_partial_kernel", const, types, CASCADE_SCALARS, 4, 3)
     for rows, pdl in ((1, True), (4, False)):
         cases[f"merge-rows{rows}"] = (
@@ -155,12 +153,6 @@ def _hints_before_wait(ptx: str) -> bool:
     return hint >= 0 and (wait < 0 or hint < wait)
 
 
-def _bulk_before_wait(ptx: str) -> bool:
-    """Whether the first bulk L2 prefetch comes before the first dependency wait in the PTX."""
-    bulk, wait = ptx.find("cp.async.bulk.prefetch.L2.global"), ptx.find("griddepcontrol.wait")
-    return bulk >= 0 and (wait < 0 or bulk < wait)
-
-
 def compile_case(module, kernel_name, const, types, unaligned, warps, stages):
     """One case of :func:`_cases` compiled for sm_90 (Triton's compiled kernel, its ``asm`` dict). Pointers
     carry the 16-divisibility marks a real launch gets, except the ``unaligned`` arguments (also used by
@@ -198,8 +190,6 @@ def _compile_all() -> dict:
                 hints_before_wait=_hints_before_wait(compiled.asm["ptx"]), cg_loads=compiled.asm["ptx"].count("ld.global.cg"),
                 shared_bytes=int(getattr(compiled.metadata, "shared", 0) or 0),
                 pdl_waits=compiled.asm["ptx"].count("griddepcontrol.wait"),
-                bulk_prefetches=compiled.asm["ptx"].count("cp.async.bulk.prefetch.L2.global"),
-                bulk_before_wait=_bulk_before_wait(compiled.asm["ptx"]),
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
             report[name] = dict(error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -241,19 +231,6 @@ def test_l2_prefetch_hints_come_before_the_dependency_wait(report, name):
     entry = _entry(report, name)
     assert entry["l2_hints"] > 0 and entry["hints_before_wait"]
     assert _entry(report, name[: -len("-l2")])["l2_hints"] == 0
-
-
-@pytest.mark.parametrize("tma", ["pointers", "tma"])
-def test_cascade_weight_prefetch_is_one_bulk_prefetch(report, tma):
-    """``prefetch`` (another tensor, ``passes/prefetch_weights.py``): one ``cp.async.bulk.prefetch.L2`` in the
-    PTX and no per-line hint; ahead of ``griddepcontrol.wait`` at the start (``PREFETCH=1``), after it at the end
-    (``2``); the prefix loop still pipelined; without it, none."""
-    start, end = _entry(report, f"stage1-{tma}-write+pdl-pf"), _entry(report, f"stage1-{tma}-write+pdl-pfend")
-    for entry in (start, end):
-        assert entry["bulk_prefetches"] == 1 and entry["l2_hints"] == 0
-        assert entry["async_copies"] >= 2 or entry["tma_copies"] >= 2
-    assert start["bulk_before_wait"] and not end["bulk_before_wait"]
-    assert _entry(report, f"stage1-{tma}-write+pdl")["bulk_prefetches"] == 0
 
 
 def test_draft_topk_fused_merge_compiles_with_its_counter(report):

@@ -145,66 +145,6 @@ def test_a_lane_step_writes_its_columns_and_reads_the_earlier_ones(step, kernel_
     torch.testing.assert_close(op.double(), want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("mode", ["1", "end"])
-@pytest.mark.parametrize("path", ["op", "kernel"])
-def test_a_prefetch_hint_changes_nothing(path, mode, kernel_device, monkeypatch):
-    """``prefetch`` names another tensor to prefetch into L2 (passes/prefetch_weights.py): the output and both
-    caches are bit for bit those of the call without it, through the op (the CPU path ignores the hint) and
-    through the cascade kernels (on the GPU the bulk prefetches run, before or after each program's work; the
-    interpreter skips them). The tensors: a 92400-byte one shared unevenly among the programs, one of 2002
-    bytes (the total is rounded down to 16) and one whose address is not 16-byte aligned (no prefetch)."""
-    monkeypatch.setenv("TREECOMPILE_WEIGHT_PREFETCH", mode)
-    B, R, Hq, Hkv, D, page_size = 2, 3, 4, 2, 64, 16
-    d = kernel_device if path == "kernel" else "cpu"
-    runs = []
-    tensors = (None, torch.randn(700, 33), torch.randn(1001).to(torch.bfloat16), torch.randn(1001)[1:])
-    for prefetch in tensors:
-        case = new_rows_case(B, R, Hq, Hkv, D, page_size, 6, [5, 40], [3, 2], torch.float32, seed=4)
-        q, kc, vc, k, v, slots, pt, pl, masks = (t.to(d) for t in case)
-        pf = None if prefetch is None else prefetch.to(d)
-        if path == "op":
-            out = torch.ops.treespec.tree_attention_paged_write(
-                q, kc, vc, k, v, slots, pt, pl, masks, page_size, R, 0.25, prefetch=pf
-            )
-        else:
-            out = _launch_tree_attention_paged(
-                q, kc, vc, pt, pl, masks, page_size, R, 0.25, new_rows=(k, v, slots), prefetch=pf
-            )
-        runs.append([t.cpu().nan_to_num(7.0, 8.0, 9.0) for t in (out, kc, vc)])
-    for run in runs[1:]:
-        for a, b in zip(runs[0], run):
-            assert torch.equal(a, b)
-    assert runs[0][0].isfinite().all()
-
-
-def test_prefetch_cap_reads_megabytes_and_refuses_bad_values(monkeypatch):
-    """``TREECOMPILE_WEIGHT_PREFETCH_MB`` caps the prefetched bytes (an A/B knob): unset is no cap, 0 is none,
-    1.5 MB is 1572864 bytes; a negative or non-numeric value is one clear error."""
-    from treecompile.ops._tree_attention_kernels import PREFETCH_MB_ENV, prefetch_cap_bytes
-
-    monkeypatch.delenv(PREFETCH_MB_ENV, raising=False)
-    assert prefetch_cap_bytes() >= 1 << 40
-    for value, nbytes in (("0", 0), ("1.5", 1572864), ("16", 16 << 20)):
-        monkeypatch.setenv(PREFETCH_MB_ENV, value)
-        assert prefetch_cap_bytes() == nbytes
-    for bad in ("-1", "lots", "nan"):
-        monkeypatch.setenv(PREFETCH_MB_ENV, bad)
-        with pytest.raises(ValueError, match="TREECOMPILE_WEIGHT_PREFETCH_MB: expected a number of megabytes"):
-            prefetch_cap_bytes()
-
-
-def test_weight_prefetch_switch_takes_0_1_end_and_refuses_others(monkeypatch):
-    from treecompile.ops._common import weight_prefetch_enabled, weight_prefetch_mode
-
-    for value, mode in (("", "0"), ("0", "0"), (" 1 ", "1"), ("end", "end")):
-        monkeypatch.setenv("TREECOMPILE_WEIGHT_PREFETCH", value)
-        assert weight_prefetch_mode() == mode and weight_prefetch_enabled() == (mode != "0")
-    for bad in ("on", "2", "start"):
-        monkeypatch.setenv("TREECOMPILE_WEIGHT_PREFETCH", bad)
-        with pytest.raises(ValueError, match="TREECOMPILE_WEIGHT_PREFETCH: expected 0, 1 or end"):
-            weight_prefetch_mode()
-
-
 def test_op_on_cpu_runs_the_two_ops_in_order_and_traces():
     B, R, Hq, Hkv, D, page_size = 2, 4, 4, 2, 8, 8
     case = new_rows_case(B, R, Hq, Hkv, D, page_size, 6, [5, 11], [4, 2], torch.float64, seed=1)
@@ -231,8 +171,6 @@ def test_op_on_cpu_runs_the_two_ops_in_order_and_traces():
         (lambda a: a.update(window=6, window_offset=-1), "got window_offset=-1"),
         (lambda a: a.update(k=a["k"].float()), "k: dtype torch.float32 must equal the cache dtype"),
         (lambda a: a.update(slots=a["slots"].int()), "slots: expected dtype torch.int64"),
-        (lambda a: a.update(prefetch=torch.zeros(4, 6).t()), r"prefetch: must be contiguous"),
-        (lambda a: a.update(prefetch=torch.zeros(4, device="meta")), r"prefetch: must be on q's device cpu"),
     ],
 )
 def test_bad_input_names_the_argument(change, match):
