@@ -5,6 +5,7 @@ Triton decorates any kernel, so it is set here, before treecompile is imported. 
 skip where no CUDA device exists (and only there).
 """
 
+import copy
 import os
 
 import torch
@@ -39,6 +40,39 @@ def poisoned(shape, dtype, device="cpu"):
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.full(shape, -(2**31) + 7, dtype=dtype, device=device)
+
+
+def assert_partings_are_near_ties(model16, ids, mask, a, b, slack=3.0):
+    """Two bf16 greedy decodes whose kernels round differently may part only at a near-tie: at each row's first
+    differing new token j, over the prefix the rows share, the float32 model's logits of the two tokens differ by
+    at most ``slack`` times the bf16 forward's own logit error there (max over the vocabulary of |bf16 - float32|;
+    each run's error is about that, so two runs can swap tokens whose float32 gap is up to about twice it). A
+    kernel fault parts rows at clear margins. An agreement threshold cannot tell the two apart: this tiny random
+    model's top-2 gaps fall to 1e-5 in places, under its bf16 error of ~0.008, so one early near-tie flip costs
+    a row's every later token (a fifty-eighth-session H100 parted row 2 at its second token).
+
+    ``model16``: a copy of the bf16 model taken before any speculator was built; ``ids`` / ``mask``: the left-
+    padded prompts; ``a``, ``b``: ``[B, prompt + new]`` sequences. Returns each row's first parting (None: the
+    row agrees to the end)."""
+    model32 = copy.deepcopy(model16).float()
+    L = ids.shape[1]
+    firsts = []
+    for r in range(ids.shape[0]):
+        parted = (a[r, L:] != b[r, L:]).nonzero()
+        if parted.numel() == 0:
+            firsts.append(None)
+            continue
+        j = parted[0].item()
+        am = torch.cat([mask[r : r + 1], mask.new_ones(1, j)], dim=1)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)  # HF generate's positions for a left-padded row
+        with torch.no_grad():
+            l32 = model32(a[r : r + 1, : L + j], attention_mask=am, position_ids=pos).logits[0, -1].double()
+            l16 = model16(a[r : r + 1, : L + j], attention_mask=am, position_ids=pos).logits[0, -1].double()
+        gap = (l32[a[r, L + j]] - l32[b[r, L + j]]).abs().item()
+        err = (l16 - l32).abs().max().item()
+        assert gap <= slack * err, f"row {r} parts at new token {j}: float32 gap {gap:.3g} > {slack} x {err:.3g}"
+        firsts.append(j)
+    return firsts
 
 
 def gpu_script(name: str):
