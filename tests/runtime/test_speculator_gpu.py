@@ -359,7 +359,7 @@ def test_fused_merges_and_the_draft_fold_change_no_token(monkeypatch, dtype):
     zeroed by each launch. The fused merge sums the same terms in another order, so fp32 must give the same
     tokens and bf16 may part only at near-ties."""
     model = tiny_llama(dtype)
-    model16 = copy.deepcopy(model)
+    model16 = copy.deepcopy(model) if dtype == torch.bfloat16 else None  # the near-tie oracle's reference
     ids, mask = ragged()
     outs = []
     for on in (False, True):
