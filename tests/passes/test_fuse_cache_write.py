@@ -67,6 +67,7 @@ def test_generate_through_the_fused_op_equals_hf_greedy(cpu_counts):
     assert torch.equal(got.sequences, want)
 
 
+@pytest.mark.interpreter  # Triton on the CPU model's tensors; on the GPU, test_speculator_gpu covers the kernel
 @pytest.mark.parametrize("tree", [(1, 1, 1), (2, 2, 4)], ids=["plain", "tree"])
 def test_batched_decode_through_the_fused_kernel_equals_hf_greedy(cpu_counts, monkeypatch, tree):
     """The fused op's Triton kernel (the interpreter here), not its CPU path, under a batched ragged decode.

@@ -3,10 +3,12 @@
 The CPU suite otherwise checks each kernel alone (tests/ops, the interpreter) and the runtime through the ops'
 CPU paths. Neither sees how the runtime lays out the kernels' arguments. A fused-write kernel that read a
 strided column of the slot table as contiguous passed both and failed only on the GPU. Here every op module's
-``use_triton`` answers yes, so the kernels (the interpreter here, the GPU there) take the runtime's own
-tensors: views of state tables, padded ragged batches, verify windows, draft lanes, commits. The fused cache
-write is on, as it is on CUDA. Families: attention (Llama), GDN + attention (Qwen3.5), Mamba2. Small
-vocabularies make deeper accepted paths happen.
+``use_triton`` answers yes, so the kernels, in the interpreter, take the runtime's own tensors: views of state
+tables, padded ragged batches, verify windows, draft lanes, commits. The fused cache write is on, as it is on
+CUDA. Families: attention (Llama), GDN + attention (Qwen3.5), Mamba2. Small vocabularies make deeper accepted
+paths happen. Where CUDA is present each test runs in a child process without it (the ``interpreter`` marker):
+the exact equality with HF greedy holds for the interpreter's float32, and the device's own runs of the same
+layouts are test_speculator_gpu's.
 """
 
 import importlib
@@ -19,7 +21,7 @@ import treecompile.ops as ops_package
 from treecompile.drafter import EagleDrafter
 from treecompile.speculator import TreeSpeculator
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.interpreter]  # kernels on the CPU model's tensors
 
 
 @pytest.fixture
