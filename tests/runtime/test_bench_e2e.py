@@ -24,9 +24,10 @@ PROMPTS = 2
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
+    """``e2e.main(argv)`` on the CPU, where CUDA is present too (its default device there), and its stdout."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = e2e.main(argv)
+        rc = e2e.main(["--device", "cpu", *argv])
     return rc, out.getvalue()
 
 

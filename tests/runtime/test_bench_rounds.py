@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest
 
 def test_smoke_runs_every_variant_and_prints_the_full_table(tmp_path, capsys):
     path = tmp_path / "rounds.json"
-    assert rounds.main(["--smoke", "--json", str(path)]) == 0
+    assert rounds.main(["--smoke", "--device", "cpu", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("| ")]
     assert table[0] == rounds.HEADER.splitlines()[0]
@@ -60,7 +60,7 @@ def test_smoke_runs_every_variant_and_prints_the_full_table(tmp_path, capsys):
 def test_no_hf_leaves_out_only_hf_rows(tmp_path, capsys):
     """``--no-hf`` (A/B runs of treecompile switches): the verify, decode and draft rows and every target stay."""
     path = tmp_path / "rounds.json"
-    assert rounds.main(["--smoke", "--no-hf", "--json", str(path)]) == 0
+    assert rounds.main(["--smoke", "--device", "cpu", "--no-hf", "--json", str(path)]) == 0
     out = capsys.readouterr().out
     body = [line for line in out.splitlines() if line.startswith("| ")][1:]  # after the header
     assert [line.split("|")[1].strip() for line in body] == [SMOKE_ROWS[0], SMOKE_ROWS[1], SMOKE_ROWS[4]]
@@ -143,9 +143,17 @@ def test_registered_and_bad_options_are_refused(capsys):
         rounds.main(["--smoke", "--nodes", "64,65"])
     assert exc.value.code == 2
     assert "--nodes: expected a comma-separated list of tree sizes in 1..64, got '64,65'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        rounds.main(["--device", "cpu"])
+    assert exc.value.code == 2
+    assert "--device: only with --smoke (the full benchmark runs on CUDA), got --device cpu" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert rounds.main([]) == 2
         assert "needs a CUDA device (or --smoke)" in capsys.readouterr().out
+        with pytest.raises(SystemExit) as exc:
+            rounds.main(["--smoke", "--device", "cuda"])
+        assert exc.value.code == 2
+        assert "--device: 'cuda' asked for, but no CUDA device is available" in capsys.readouterr().err
 
 
 def test_trace_gaps_splits_replays_and_measures_idle_time(tmp_path, capsys):

@@ -35,8 +35,8 @@ Targets (issue 4): verify(64) <= 1.15x decode; decode <= 1.25x the target floor;
 floor. A variant that fails prints ``fail: <reason>`` and the run goes on; progress lines are flushed so a
 timeout still leaves partial output.
 
-``--smoke`` runs a tiny random Llama on whatever device exists (CPU: float32, no graphs, the functions are
-called eagerly and timed with ``time.perf_counter``) through the same code, so CI tests the harness.
+``--smoke`` runs a tiny random Llama on whatever device exists, or on ``--device`` (CPU: float32, no graphs, the
+functions are called eagerly and timed with ``time.perf_counter``) through the same code, so CI tests the harness.
 """
 
 from __future__ import annotations
@@ -644,7 +644,7 @@ def _setup_from_args(args) -> Setup:
 
     hf_tokens = () if args.no_hf else (1, 64)
     if args.smoke:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         return Setup(
             device=device, dtype=dtype, target=dict(TARGET_SMOKE), ctx=args.ctx or 96,
@@ -676,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="timed replays per variant (default 20; smoke 3)")
     parser.add_argument("--json", default=None, help="also write the raw numbers here")
     parser.add_argument("--smoke", action="store_true", help="a tiny random Llama on any device (CI)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="the smoke run's device (default cuda when available, else cpu); the full run is CUDA's")
     parser.add_argument("--inductor", action="store_true",
                         help="compile the rewritten target with Inductor (minutes per graph shape on a slow host)")
     parser.add_argument("--no-hf", action="store_true",
@@ -690,6 +692,10 @@ def main(argv: list[str] | None = None) -> int:
                              "cuBLAS (default: TreeSpeculator's, on for 16-bit CUDA models)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.device is not None and not args.smoke:
+        parser.error(f"--device: only with --smoke (the full benchmark runs on CUDA), got --device {args.device}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device: 'cuda' asked for, but no CUDA device is available")
     if not args.smoke and not torch.cuda.is_available():
         print("rounds benchmark needs a CUDA device (or --smoke)")
         return 2
