@@ -2,7 +2,9 @@
 
 The oracle concatenates the committed window and the path's inputs and runs a float64 ``F.conv1d``
 (HF's ``causal_conv1d_update`` math); chains are also checked against HF's function itself, including
-the conv state it leaves, which the tree commit must reproduce.
+the conv state it leaves, which the tree commit must reproduce. Kernels run on ``kernel_device`` (the GPU
+where there is one, else the Triton interpreter on CPU); the oracles and the ops' CPU reference path stay on
+the CPU.
 """
 
 from __future__ import annotations
@@ -61,9 +63,20 @@ def path_oracle(x, conv_state, weight, bias, parents, activation):
     return out
 
 
+def to_device(device, *tensors):
+    """The tensors moved to ``device`` (None stays None)."""
+    return tuple(None if t is None else t.to(device) for t in tensors)
+
+
+def device_of(impl: str, kernel_device: str) -> str:
+    """Where ``impl`` runs: the kernel on ``kernel_device``, the op on the CPU (its reference path there)."""
+    return kernel_device if impl == "kernel" else "cpu"
+
+
 def run_update(impl, x, conv_state, weight, bias, parents, activation):
+    """The kernel (NaN-poisoned output on x's device) or the op; the output on x's device."""
     if impl == "kernel":
-        out = poisoned(x.shape, x.dtype)
+        out = poisoned(x.shape, x.dtype, x.device)
         conv._launch_causal_conv1d_tree_update(x, conv_state, weight, bias, parents, activation, out)
         return out
     return torch.ops.treespec.causal_conv1d_tree_update(x, conv_state, weight, bias, parents, activation)
@@ -80,31 +93,36 @@ CASES = [
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
 @pytest.mark.parametrize("kinds,n,width,state_width,with_bias,activation", CASES)
-def test_update_matches_per_path_conv(kinds, n, width, state_width, with_bias, activation, impl):
+def test_update_matches_per_path_conv(kinds, n, width, state_width, with_bias, activation, impl, kernel_device):
+    d = device_of(impl, kernel_device)
     x, conv_state, weight, bias, parents = make_case(kinds, n, 10, width, state_width)
     bias = bias if with_bias else None
     before = conv_state.clone()
-    out = run_update(impl, x, conv_state, weight, bias, parents, activation)
+    moved = to_device(d, x, conv_state, weight, bias, parents)
+    out = run_update(impl, *moved, activation).cpu()
     want = path_oracle(x, conv_state, weight, bias, parents, activation)
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
-    assert torch.equal(conv_state, before), "verify must not write the committed window"
+    assert torch.equal(moved[1].cpu(), before), "verify must not write the committed window"
 
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
-def test_update_strided_input_and_channel_blocks(impl):
+def test_update_strided_input_and_channel_blocks(impl, kernel_device):
     """HF hands the conv a [B, C, N] tensor transposed to [B, N, C]; C = 300 spans two channel blocks."""
+    d = device_of(impl, kernel_device)
     _, conv_state, weight, bias, parents = make_case(["random"], 5, channels=300, width=4, state_width=4)
     x = torch.randn(1, 300, 5, dtype=torch.float64).transpose(1, 2)
-    assert not x.is_contiguous()
-    out = run_update(impl, x, conv_state, weight, bias, parents, "silu")
+    moved = to_device(d, x, conv_state, weight, bias, parents)
+    assert not x.is_contiguous() and not moved[0].is_contiguous()  # .to keeps a dense tensor's strides
+    out = run_update(impl, *moved, "silu").cpu()
     want = path_oracle(x, conv_state, weight, bias, parents, "silu")
     torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_update_low_precision_rounds_once(dtype):
+def test_update_low_precision_rounds_once(dtype, kernel_device):
     x, conv_state, weight, bias, parents = make_case(["random", "chain"], 9, 16, 4, 3, dtype=dtype, seed=3)
-    out = run_update("kernel", x, conv_state, weight.float(), bias.float(), parents, "silu")
+    moved = to_device(kernel_device, x, conv_state, weight.float(), bias.float(), parents)
+    out = run_update("kernel", *moved, "silu").cpu()
     want = path_oracle(x, conv_state, weight.float(), bias.float(), parents, "silu")
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
@@ -114,20 +132,22 @@ def test_update_low_precision_rounds_once(dtype):
 
 
 @pytest.mark.parametrize("state_width", [3, 4], ids=["L3", "L4-hf-cache"])
-def test_chain_matches_hf_causal_conv1d_update_and_commit(state_width):
+def test_chain_matches_hf_causal_conv1d_update_and_commit(state_width, kernel_device):
     """A chain through the tree op and commit equals HF's decode-time conv, output and window alike."""
+    d = kernel_device
     n, channels = 6, 12
     x, conv_state, weight, bias, parents = make_case(["chain", "chain"], n, channels, 4, state_width, seed=9)
     hf_state = conv_state.clone()
     want = hf_qwen3_next.causal_conv1d_update(x.transpose(1, 2), hf_state, weight, bias, "silu")
     want = want.transpose(1, 2)
     for impl in ("kernel", "op"):
-        torch.testing.assert_close(run_update(impl, x, conv_state, weight, bias, parents, "silu"), want)
+        moved = to_device(device_of(impl, d), x, conv_state, weight, bias, parents)
+        torch.testing.assert_close(run_update(impl, *moved, "silu").cpu(), want)
     path = torch.arange(n).expand(2, n).contiguous()
     lens = torch.full((2,), n)
-    committed = conv_state.clone()
-    conv._launch_causal_conv1d_tree_commit(committed, x, path, lens)
-    assert torch.equal(committed, hf_state)
+    committed = conv_state.clone().to(d)
+    conv._launch_causal_conv1d_tree_commit(committed, *to_device(d, x, path, lens))
+    assert torch.equal(committed.cpu(), hf_state)
     committed = conv_state.clone()
     torch.ops.treespec.causal_conv1d_tree_commit(committed, x, path, lens)
     assert torch.equal(committed, hf_state)
@@ -135,7 +155,8 @@ def test_chain_matches_hf_causal_conv1d_update_and_commit(state_width):
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
 @pytest.mark.parametrize("state_width", [1, 3, 4], ids=["L1", "L3", "L4"])
-def test_commit_shifts_accepted_inputs_in(state_width, impl):
+def test_commit_shifts_accepted_inputs_in(state_width, impl, kernel_device):
+    d = device_of(impl, kernel_device)
     n, channels = 7, 20
     kinds = ["random", "random", "chain", "chain"]
     x, conv_state, _, _, parents = make_case(kinds, n, channels, 4, state_width)
@@ -146,11 +167,12 @@ def test_commit_shifts_accepted_inputs_in(state_width, impl):
         path = path_to(row, deepest)[: int(lens[b])]
         assert len(path) == int(lens[b])
         paths[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
-    committed = conv_state.clone()
+    committed = conv_state.clone().to(d)
     if impl == "kernel":
-        conv._launch_causal_conv1d_tree_commit(committed, x, paths, lens)
+        conv._launch_causal_conv1d_tree_commit(committed, *to_device(d, x, paths, lens))
     else:
         torch.ops.treespec.causal_conv1d_tree_commit(committed, x, paths, lens)
+    committed = committed.cpu()
     for b in range(4):
         accepted = paths[b, : int(lens[b])]
         want = torch.cat([conv_state[b], x[b, accepted].T], dim=-1)[:, -state_width:]

@@ -24,12 +24,15 @@ def _own_bits(K, step):
     return torch.where(slots < 63, torch.bitwise_left_shift(torch.ones_like(slots), slots % 64), 0)
 
 
-def run_kernel(child_logp, child_tokens, own_bits, first_id, lanes=(None, None, None), outputs=None):
+def run_kernel(child_logp, child_tokens, own_bits, first_id, lanes=(None, None, None), outputs=None, device="cpu"):
+    """Launch on ``device`` (inputs moved there, outputs poisoned there unless given); the outputs on the CPU."""
+    inputs = tuple(t.to(device) for t in (child_logp, child_tokens, own_bits, first_id))
+    lanes = tuple(t if t is None else t.to(device) for t in lanes)
     outs = outputs
     if outs is None:
-        outs = tuple(poisoned(t.shape, t.dtype) for t in _empty_outputs(child_logp, lanes[0]))
-    _launch_expand_lanes(child_logp, child_tokens, own_bits, first_id, *lanes, *outs)
-    return outs
+        outs = tuple(poisoned(t.shape, t.dtype, device) for t in _empty_outputs(child_logp, lanes[0]))
+    _launch_expand_lanes(*inputs, *lanes, *outs)
+    return tuple(o.cpu() for o in outs)
 
 
 def assert_same(got, want, where):
@@ -59,41 +62,47 @@ ROUND_CASES = [(c, m) for c in CONFIGS for m in MODES if c[0] < 64 or m == "ties
 
 
 @pytest.mark.parametrize("config, mode", ROUND_CASES, ids=lambda v: "K{}-S{}".format(*v) if isinstance(v, tuple) else v)
-def test_kernel_matches_reference_through_a_round(config, mode):
+def test_kernel_matches_reference_through_a_round(config, mode, kernel_device):
     """Poisoned outputs; float64 scores for half the configs."""
+    d = kernel_device
     K, S = config
     dtype = torch.float64 if (K + S) % 2 else torch.float32
     for step, (args, want) in enumerate(rounds_of(K, S, 3, mode, dtype, seed=4)):
-        got = run_kernel(*args[:4], lanes=args[4])
+        got = run_kernel(*args[:4], lanes=args[4], device=d)
         assert_same(got, want, (dtype, step))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_16_bit_log_probs(dtype):
+def test_16_bit_log_probs(dtype, kernel_device):
     """A 16-bit drafter's log-probs widen exactly: root scores in float32, lane steps in the lanes' dtype."""
+    d = kernel_device
     K, S = 4, 3
     for step, (args, _) in enumerate(rounds_of(K, S, 2, "ties", torch.float32, seed=1)):
         args = (args[0].to(dtype), *args[1:])
         want = expand_lanes_reference(*args[:4], *args[4])
         assert want[0].dtype == torch.float32
-        assert_same(run_kernel(*args[:4], lanes=args[4]), want, step)
+        assert_same(run_kernel(*args[:4], lanes=args[4], device=d), want, step)
 
 
-def test_strided_inputs_and_outputs():
+def test_strided_inputs_and_outputs(kernel_device):
+    d = kernel_device
     K, S, B = 4, 3, 3
     for step, (args, want) in enumerate(rounds_of(K, S, B, "some_nan", torch.float32, seed=2)):
-        child_logp, child_tokens, own_bits, first_id, lanes = args
+        child_logp, child_tokens, own_bits, first_id = (t.to(d) for t in args[:4])  # the views below made on d
+        lanes = tuple(t if t is None else t.to(d) for t in args[4])
         child_logp = child_logp.transpose(1, 2).contiguous().transpose(1, 2)  # r and c strides swapped
         child_tokens = torch.stack([child_tokens, child_tokens], -1)[..., 1]  # last-dim stride 2
         own_bits = torch.stack([own_bits, own_bits], 1)[:, 0]
         if lanes[0] is not None:
             lanes = tuple(t.t().contiguous().t() for t in lanes)  # column-major [B, R]
-        outs = tuple(poisoned(t.shape[::-1], t.dtype).t() for t in _empty_outputs(args[0], args[4][0]))
-        assert_same(run_kernel(child_logp, child_tokens, own_bits, first_id, lanes, outputs=outs), want, step)
+        outs = tuple(poisoned(t.shape[::-1], t.dtype, d).t() for t in _empty_outputs(args[0], args[4][0]))
+        got = run_kernel(child_logp, child_tokens, own_bits, first_id, lanes, outputs=outs, device=d)
+        assert_same(got, want, step)
 
 
-def test_the_largest_step():
+def test_the_largest_step(kernel_device):
     """R * K = 4096 children (64 lanes of 64), the kernel's limit, with ties and NaN."""
+    d = kernel_device
     B, R, K = 1, 64, 64
     g = torch.Generator().manual_seed(0)
     choices = torch.tensor([0.0, -0.5, -1.0, float("-inf"), float("nan"), 0.25])
@@ -103,7 +112,7 @@ def test_the_largest_step():
              torch.arange(R).expand(B, R).contiguous())  # fmt: skip
     args = (child_logp, child_tokens, torch.zeros(K, dtype=torch.int64), torch.tensor(100))
     assert R * K == MAX_CHILDREN
-    assert_same(run_kernel(*args, lanes=lanes), expand_lanes_reference(*args, *lanes), "4096")
+    assert_same(run_kernel(*args, lanes=lanes, device=d), expand_lanes_reference(*args, *lanes), "4096")
 
 
 def test_op_on_cpu_is_the_reference_and_traces():

@@ -65,71 +65,81 @@ SMALL = dict(chunk=16, block_k=16, block_h=16, reduce_block=8, reduce_chunks=4)
         (1, 16, 4200, dict(SMALL, reduce_chunks=0)),  # 263 partials: the automatic step (256) twice
     ],
 )
-def test_matches_float64_gated_mlp(dtype, M, H, I, tiles, tma):
-    """Pointer tiles and TMA boxes (the interpreter emulates descriptors; a weight whose rows are not 16-byte
-    multiples, H=50 or 17 in float16, falls back to pointers)."""
+def test_matches_float64_gated_mlp(dtype, M, H, I, tiles, tma, kernel_device):
+    """Pointer tiles and TMA boxes (the interpreter emulates descriptors, on Hopper they are the copy engine's; a
+    weight whose rows are not 16-byte multiples, H=50 or 17 in float16, falls back to pointers)."""
+    d = kernel_device
     x, gate, up, down = _inputs(M, H, I, dtype, seed=M * 100 + H)
-    out = poisoned((M, H), dtype)
-    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, tma=tma, **tiles))
-    _check(out, x, gate, up, down)
+    out = poisoned((M, H), dtype, d)
+    _launch_fused_mlp(*(t.to(d) for t in (x, gate, up, down)), out, choose_mlp_config(M, H, I, tma=tma, **tiles))
+    _check(out.cpu(), x, gate, up, down)
 
 
-def test_tma_boxes_read_zeros_past_a_view_of_the_fused_weight(monkeypatch):
+def test_tma_boxes_read_zeros_past_a_view_of_the_fused_weight(monkeypatch, kernel_device):
     """With TMA the gate half of a fused [2I, H] weight is bounded by its own descriptor: the last slice's
     padded features read zeros, not the up half's first rows; and the down tiles past I read zeros, not the
     next row (NaN there would otherwise reach the output through 0 * NaN)."""
+    d = kernel_device
     M, H, I = 2, 32, 40
     x, gate, up, down = _inputs(M, H, I, torch.float32, seed=21)
-    gate_up = torch.cat([gate, up])
+    gate_up = torch.cat([gate, up]).to(d)
     padded_down = torch.full((H, I + 8), float("nan"))
     padded_down[:, :I] = down
-    down_view = padded_down[:, :I]  # row stride 48 floats (192 bytes): a legal box source, NaN just past I
+    down_view = padded_down.to(d)[:, :I]  # row stride 48 floats (192 bytes): a legal box source, NaN just past I
     assert tma_weights_ok(gate_up[:I], gate_up[I:], down_view)
-    out = poisoned((M, H), torch.float32)
-    _launch_fused_mlp(x, gate_up[:I], gate_up[I:], down_view, out, choose_mlp_config(M, H, I, tma=True, **SMALL))
-    _check(out, x, gate, up, down)
+    out = poisoned((M, H), torch.float32, d)
+    _launch_fused_mlp(x.to(d), gate_up[:I], gate_up[I:], down_view, out, choose_mlp_config(M, H, I, tma=True, **SMALL))
+    _check(out.cpu(), x, gate, up, down)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["norm", "residual+norm"])
 @pytest.mark.parametrize("M,H,I,tiles", [(1, 64, 128, {}), (3, 50, 70, SMALL), (16, 48, 96, dict(SMALL, tma=True))])
-def test_norm_prologue_matches_float64(dtype, with_residual, M, H, I, tiles):
+def test_norm_prologue_matches_float64(dtype, with_residual, M, H, I, tiles, kernel_device):
     """With norm_weight the MLP's input is rmsnorm(x (+ residual)) * norm_weight (HF LlamaRMSNorm): the row's
     norm summed over the same steps that feed the MMA, applied to the gate / up sums after the loop; a tail
     step (H past the last tile) adds nothing to the sum of squares."""
+    d = kernel_device
     x, gate, up, down = _inputs(M, H, I, dtype, seed=M + 7 * H)
     norm_weight, residual = _norm_inputs(M, H, dtype, seed=M)
     residual = residual if with_residual else None
-    out = poisoned((M, H), dtype)
-    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **tiles), norm_weight, residual, 1e-5)
+    out = poisoned((M, H), dtype, d)
+    on = (lambda t: None if t is None else t.to(d))
+    _launch_fused_mlp(on(x), on(gate), on(up), on(down), out, choose_mlp_config(M, H, I, **tiles), on(norm_weight),
+                      on(residual), 1e-5)  # fmt: skip
+    out = out.cpu()
     _check(out, x, gate, up, down, norm_weight, residual, 1e-5)
     if dtype == torch.float16:  # against HF's rounding (norm_weight * round(s * r)): one float16 rounding apart
         want = fused_mlp_reference(x, gate, up, down, norm_weight, residual, 1e-5).float()
         torch.testing.assert_close(out.float(), want, rtol=4e-3, atol=4e-3)
 
 
-def test_norm_weight_of_any_stride_and_eps_matter():
+def test_norm_weight_of_any_stride_and_eps_matter(kernel_device):
     """norm_weight may be a strided view (a column of a table); eps enters the scale (a row of zeros plus a
     large eps is not a division by zero)."""
+    d = kernel_device
     M, H, I = 2, 32, 48
     x, gate, up, down = _inputs(M, H, I, torch.float32, seed=11)
     x[1] = 0.0
     table = torch.randn(H, 3)
-    norm_weight = table[:, 1]
+    norm_weight = table.to(d)[:, 1]  # sliced where it lives: ``.to`` of a strided view would make it contiguous
     assert norm_weight.stride(0) == 3
+    x_d, gate_d, up_d, down_d = (t.to(d) for t in (x, gate, up, down))
     for eps in (1e-6, 0.5):
-        out = poisoned((M, H), torch.float32)
-        _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **SMALL), norm_weight, None, eps)
-        _check(out, x, gate, up, down, norm_weight, None, eps)
+        out = poisoned((M, H), torch.float32, d)
+        _launch_fused_mlp(x_d, gate_d, up_d, down_d, out, choose_mlp_config(M, H, I, **SMALL), norm_weight, None, eps)
+        _check(out.cpu(), x, gate, up, down, table[:, 1], None, eps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_rounds_like_the_unfused_path(dtype):
+def test_rounds_like_the_unfused_path(dtype, kernel_device):
     """The kernel rounds g, u and silu(g) * u to x's dtype as the unfused graph does: against the op's own
     reference it differs only by summation order (far inside the float64 tolerance above)."""
+    d = kernel_device
     x, gate, up, down = _inputs(4, 64, 96, dtype, seed=3)
-    out = poisoned((4, 64), dtype)
-    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(4, 64, 96, **SMALL))
+    out = poisoned((4, 64), dtype, d)
+    _launch_fused_mlp(*(t.to(d) for t in (x, gate, up, down)), out, choose_mlp_config(4, 64, 96, **SMALL))
+    out = out.cpu()
     want = fused_mlp_reference(x.float(), gate.float(), up.float(), down.float()) if dtype == torch.float32 else None
     if want is None:  # float16: the reference in float16 rounds h exactly as the kernel does
         want = fused_mlp_reference(x, gate, up, down).float()
@@ -137,19 +147,23 @@ def test_rounds_like_the_unfused_path(dtype):
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
 
 
-def test_strided_rows_and_fused_gate_up_views():
+def test_strided_rows_and_fused_gate_up_views(kernel_device):
     """x may be rows of a wider tensor (a row stride > H); gate and up may be the two halves of one fused
     [2I, H] weight (fuse_projections' layout), passed as views without a copy."""
+    d = kernel_device
     M, H, I = 3, 40, 48
     wide = torch.randn(M, H + 24, dtype=torch.float32)
     x = wide[:, 8 : 8 + H]
     gate_up = torch.randn(2 * I, H) / H**0.5
     down = torch.randn(H, I) / I**0.5
     gate, up = gate_up[:I], gate_up[I:]
-    assert x.stride(0) == H + 24 and gate.data_ptr() != up.data_ptr()
-    out = poisoned((M, H), torch.float32)
-    _launch_fused_mlp(x, gate, up, down, out, choose_mlp_config(M, H, I, **SMALL))
-    _check(out, x, gate, up, down)
+    # the views are taken where the tensors live: ``.to`` of a view would copy it into a contiguous tensor
+    x_d, gate_up_d = wide.to(d)[:, 8 : 8 + H], gate_up.to(d)
+    gate_d, up_d = gate_up_d[:I], gate_up_d[I:]
+    assert x_d.stride(0) == H + 24 and gate_d.data_ptr() != up_d.data_ptr()
+    out = poisoned((M, H), torch.float32, d)
+    _launch_fused_mlp(x_d, gate_d, up_d, down.to(d), out, choose_mlp_config(M, H, I, **SMALL))
+    _check(out.cpu(), x, gate, up, down)
 
 
 def test_op_on_cpu_is_the_reference_and_its_fake_agrees():
@@ -292,6 +306,7 @@ def test_bfloat16_8b_shape_on_cuda(M):
     _check(got, fresh, gate, up, down)
 
 
+@pytest.mark.interpreter  # the script's smoke mode is the interpreter's (it puts its tensors on the CPU)
 def test_gpu_sweep_script_smoke(tmp_path, monkeypatch):
     """tests/gpu/mlp_sweep.py's smoke mode (interpreter, two tiny shapes): every config is checked against
     float64 and timed, and its JSON rows load into the measured table. Keeps the device script runnable."""

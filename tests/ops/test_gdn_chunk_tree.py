@@ -2,7 +2,8 @@
 
 The oracle is ``gdn_tree_verify_reference`` in float64 (itself checked against per-path chains in
 test_gdn_tree.py): each node's output must match it and each payload row must equal the sequential op's.
-Kernels run in the Triton interpreter on CPU, so shapes stay small.
+Kernels run on ``kernel_device``: the Triton interpreter on CPU (so shapes stay small), the device where CUDA is
+present; the references always run on the CPU.
 """
 
 from __future__ import annotations
@@ -64,13 +65,15 @@ def sequential(q, k, v, g, beta, state, parents, scale=None, use_qk_l2norm=True)
 def run_chunked(impl, q, k, v, g, beta, state, parents, scale=None, use_qk_l2norm=True, spare_rows=2, **kw):
     """Call the kernel launcher, the chunked reference or the op with NaN-poisoned o and payload.
 
-    The payload has ``spare_rows`` rows past N, which must stay NaN.
+    o and the payload are made on the inputs' device (the kernel's ``kernel_device``) and come back as CPU
+    copies. The payload has ``spare_rows`` rows past N, which must stay NaN.
     """
     batch, n, hk, dk = q.shape
     hv, dv = v.shape[2:]
-    payload = poisoned((batch, n + spare_rows, gdn.gdn_payload_width(hk, dk, hv, dv)), state.dtype)
+    d = q.device
+    payload = poisoned((batch, n + spare_rows, gdn.gdn_payload_width(hk, dk, hv, dv)), state.dtype, d)
     if impl == "kernel":
-        o = poisoned((batch, n, hv, dv), q.dtype)
+        o = poisoned((batch, n, hv, dv), q.dtype, d)
         chunked._launch_gdn_tree_verify_chunked(
             q, k, v, g, beta, state, parents, payload, o, scale, use_qk_l2norm, **kw
         )
@@ -82,6 +85,7 @@ def run_chunked(impl, q, k, v, g, beta, state, parents, scale=None, use_qk_l2nor
         o = torch.ops.treespec.gdn_tree_verify_chunked(
             q, k, v, g, beta, state, parents, payload, scale, use_qk_l2norm
         )
+    o, payload = o.cpu(), payload.cpu()
     assert o.dtype == q.dtype and o.shape == (batch, n, hv, dv)
     assert not o.isnan().any(), "an output element was not written"
     assert not payload[:, :n].isnan().any(), "a payload row < N was not written whole"
@@ -89,18 +93,21 @@ def run_chunked(impl, q, k, v, g, beta, state, parents, scale=None, use_qk_l2nor
     return o, payload[:, :n]
 
 
-def check(impl, inputs, parents, atol, scale=None, use_qk_l2norm=True, **kw):
-    """``impl`` against the float64 sequential oracle (outputs) and the sequential op (payload)."""
-    q, k, v, g, beta, state = inputs
+def check(impl, inputs, parents, atol, scale=None, use_qk_l2norm=True, device="cpu", **kw):
+    """``impl`` against the float64 sequential oracle (outputs) and the sequential op (payload). The kernel
+    runs on ``device`` (the inputs moved there, if not there already); everything else on the CPU."""
+    d = device if impl == "kernel" else "cpu"
+    q, k, v, g, beta, state = (t.to(d) for t in inputs)
     before = state.clone()
-    o, payload = run_chunked(impl, q, k, v, g, beta, state, parents, scale, use_qk_l2norm, **kw)
+    o, payload = run_chunked(impl, q, k, v, g, beta, state, parents.to(d), scale, use_qk_l2norm, **kw)
     assert torch.equal(state, before), "verify wrote the committed state"
+    inputs = tuple(t.cpu() for t in inputs)  # the references' copies
     as64 = [t.double() for t in inputs]
     want_o, want_payload = sequential(*as64, parents, scale, use_qk_l2norm)
     torch.testing.assert_close(o.double(), want_o, atol=atol, rtol=atol)
     torch.testing.assert_close(payload.double(), want_payload, atol=atol, rtol=atol)
     if state.dtype != torch.float64:  # same dtype: the payload is the sequential op's, element for element
-        _, same_dtype_payload = sequential(q, k, v, g, beta, state, parents, scale, use_qk_l2norm)
+        _, same_dtype_payload = sequential(*inputs, parents, scale, use_qk_l2norm)
         torch.testing.assert_close(payload, same_dtype_payload, atol=1e-6, rtol=1e-6)
     return o
 
@@ -123,20 +130,20 @@ HEADS = [pytest.param((1, 2), id="Hk1-Hv2-gqa"), pytest.param((2, 2), id="Hk2-Hv
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("trees", TREES)
-def test_chunked_matches_sequential_float64(trees, heads, impl):
+def test_chunked_matches_sequential_float64(trees, heads, impl, kernel_device):
     parents = parents_tensor(trees, seed=3 * trees[0][1])
     batch, n = parents.shape
     hk, hv = heads
     inputs = make_inputs(batch, n, hk, hv, dk=16, dv=32, seed=n + hk)
-    check(impl, inputs, parents, atol=1e-11)
+    check(impl, inputs, parents, atol=1e-11, device=kernel_device)
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
 @pytest.mark.parametrize("n", [8, 16], ids=lambda n: f"N{n}")
-def test_chunked_fp32_state_matches_float64_and_fp32_sequential(n, impl):
+def test_chunked_fp32_state_matches_float64_and_fp32_sequential(n, impl, kernel_device):
     parents = parents_tensor([("random", n), ("random", n)], seed=40 + n)
     inputs = make_inputs(2, n, hk=1, hv=2, dk=32, dv=16, dtype=torch.float32, seed=n)
-    o = check(impl, inputs, parents, atol=2e-5)
+    o = check(impl, inputs, parents, atol=2e-5, device=kernel_device)
     fp32_o, _ = sequential(*inputs, parents)
     torch.testing.assert_close(o, fp32_o, atol=2e-5, rtol=2e-5)
 
@@ -151,33 +158,34 @@ def test_chunked_fp32_state_matches_float64_and_fp32_sequential(n, impl):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-def test_chunked_extreme_decays(g_range, dtype, impl):
+def test_chunked_extreme_decays(g_range, dtype, impl, kernel_device):
     """exp(G) underflows to 0 along deep paths, or every decay is 1 (pure delta rule, no forgetting)."""
     parents = parents_tensor([("chain", 16), ("random", 16)], seed=9)
     inputs = make_inputs(2, 16, hk=1, hv=1, dk=16, dv=16, dtype=dtype, g_range=g_range, seed=5)
-    o = check(impl, inputs, parents, atol=1e-11 if dtype == torch.float64 else 2e-5)
+    o = check(impl, inputs, parents, atol=1e-11 if dtype == torch.float64 else 2e-5, device=kernel_device)
     assert o.isfinite().all()
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
-def test_chunked_strided_inputs_odd_dims_value_blocks(impl):
+def test_chunked_strided_inputs_odd_dims_value_blocks(impl, kernel_device):
     """HF's split views (non-contiguous), Dk/Dv not powers of two, no l2norm + explicit scale, several
-    value blocks per head (the kernel at block_v=16)."""
+    value blocks per head (the kernel at block_v=16). The kernel's views are made on its device."""
+    d = kernel_device if impl == "kernel" else "cpu"
     hk, hv, dk, dv = 1, 2, 12, 20
     parents = parents_tensor([("random", 11)], seed=3)
     n = parents.shape[1]
     gen = torch.Generator().manual_seed(1)
-    mixed = torch.randn(1, n, 2 * hk * dk + hv * dv, generator=gen, dtype=torch.float64)
+    mixed = torch.randn(1, n, 2 * hk * dk + hv * dv, generator=gen, dtype=torch.float64).to(d)
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(1, n, hk, dk), k.reshape(1, n, hk, dk), v.reshape(1, n, hv, dv)
     assert not q.is_contiguous()
-    gb = torch.rand(1, n, 2 * hv, generator=gen, dtype=torch.float64)
+    gb = torch.rand(1, n, 2 * hv, generator=gen, dtype=torch.float64).to(d)
     g, beta = -gb[..., :hv], gb[..., hv:]
-    state = torch.randn(1, hv, dk, dv, generator=gen, dtype=torch.float64).transpose(-1, -2)
+    state = torch.randn(1, hv, dk, dv, generator=gen, dtype=torch.float64).to(d).transpose(-1, -2)
     state = state.contiguous().transpose(-1, -2)  # a column-major state tile
     kw = {"block_v": 16} if impl == "kernel" else {}
     for scale, l2 in ((0.3, True), (0.05, False)):
-        check(impl, (q, k, v, g, beta, state), parents, atol=1e-10, scale=scale, use_qk_l2norm=l2, **kw)
+        check(impl, (q, k, v, g, beta, state), parents, atol=1e-10, scale=scale, use_qk_l2norm=l2, device=d, **kw)
 
 
 def test_kernel_takes_views_of_state_tables(kernel_device):
@@ -203,12 +211,13 @@ def test_kernel_takes_views_of_state_tables(kernel_device):
     torch.testing.assert_close(payload_view.cpu(), want_payload, atol=1e-10, rtol=1e-10)
 
 
-def test_chunked_bf16_inputs_fp32_state():
+def test_chunked_bf16_inputs_fp32_state(kernel_device):
     """bf16 q/k/v/g/beta with an fp32 state (Qwen3-Next's dtypes): o in bf16, math in fp32."""
+    d = kernel_device
     parents = parents_tensor([("random", 16)], seed=2)
     inputs = make_inputs(1, 16, hk=1, hv=2, dk=16, dv=16, dtype=torch.bfloat16, seed=3)
     inputs = inputs[:5] + (inputs[5].float(),)
-    o, payload = run_chunked("kernel", *inputs, parents)
+    o, payload = run_chunked("kernel", *(t.to(d) for t in inputs), parents.to(d))
     assert o.dtype == torch.bfloat16
     want_o, want_payload = sequential(*[t.double() for t in inputs], parents)
     torch.testing.assert_close(o.double(), want_o, atol=1.6e-2, rtol=1.6e-2)
@@ -223,11 +232,13 @@ def test_op_is_the_chunked_reference_on_cpu():
     assert torch.equal(by_op, by_ref) and torch.equal(op_payload, ref_payload)
 
 
-def test_replay_of_chunked_payload_equals_path_state():
-    """The payload feeds gdn_replay_commit: replaying a root-to-leaf path gives that path's state."""
+def test_replay_of_chunked_payload_equals_path_state(kernel_device):
+    """The payload feeds gdn_replay_commit: replaying a root-to-leaf path gives that path's state (the
+    kernel's payload, copied back to the CPU, replayed by the reference)."""
+    d = kernel_device
     parents = parents_tensor([("random", 12)], seed=8)
     q, k, v, g, beta, state = make_inputs(1, 12, hk=1, hv=2, dk=16, dv=16)
-    _, payload = run_chunked("kernel", q, k, v, g, beta, state, parents, spare_rows=0)
+    _, payload = run_chunked("kernel", *(t.to(d) for t in (q, k, v, g, beta, state, parents)), spare_rows=0)
     path = [11]
     while parents[0, path[-1]] >= 0:
         path.append(int(parents[0, path[-1]]))

@@ -2,8 +2,8 @@
 
 Every root-to-leaf path is run as a plain chain by an independent float64 oracle; each node's output and
 each branch point's workspace state must match it. The fp32 reference must equal HF's token-by-token
-decode bit for bit (it is the CPU path of lossless speculation). Kernels run in the Triton interpreter
-on CPU, so shapes stay small.
+decode bit for bit (it is the CPU path of lossless speculation). Kernels run on ``kernel_device``: the
+Triton interpreter on CPU (so shapes stay small), the device where CUDA is present; oracles run on the CPU.
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ import transformers.models.qwen3_next.modeling_qwen3_next as hf_gdn  # noqa: E40
 
 
 
-def hf_like_inputs(hk: int, hv: int, dk: int, dv: int, n: int, seed: int):
+def hf_like_inputs(hk: int, hv: int, dk: int, dv: int, n: int, seed: int, device="cpu"):
     """float64 inputs as HF's GDN layer hands them over: q, k, v strided views of one mixed_qkv projection
-    ``[1, n, H, D]``; g = -rand, beta = rand ``[1, n, hv]``; a random state ``[1, hv, dk, dv]``."""
+    ``[1, n, H, D]``; g = -rand, beta = rand ``[1, n, hv]``; a random state ``[1, hv, dk, dv]``. Drawn on
+    the CPU, the views made on ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    mixed = torch.randn(1, n, 2 * hk * dk + hv * dv, generator=gen, dtype=torch.float64)  # HF's mixed_qkv
+    mixed = torch.randn(1, n, 2 * hk * dk + hv * dv, generator=gen, dtype=torch.float64).to(device)  # HF's mixed_qkv
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(1, n, hk, dk), k.reshape(1, n, hk, dk), v.reshape(1, n, hv, dv)
     assert not q.is_contiguous()
-    gb = torch.rand(1, n, 2 * hv, generator=gen, dtype=torch.float64)
-    state = torch.randn(1, hv, dk, dv, generator=gen, dtype=torch.float64)
+    gb = torch.rand(1, n, 2 * hv, generator=gen, dtype=torch.float64).to(device)
+    state = torch.randn(1, hv, dk, dv, generator=gen, dtype=torch.float64).to(device)
     return q, k, v, -gb[..., :hv], gb[..., hv:], state
 
 def make_parents(kind: str, n: int, seed: int) -> list[int]:
@@ -115,13 +116,15 @@ def node_oracle(q, k, v, g, beta, state, parents, **kw):
 
 
 def run_verify(fn, q, k, v, g, beta, state, parents, scale=None, use_qk_l2norm=True):
-    """Call ``fn`` (the launcher or the op) with NaN-poisoned workspace, payload and output."""
+    """Call ``fn`` (the launcher or the op) with NaN-poisoned workspace, payload and output, made on the
+    inputs' device (the launcher's ``kernel_device``)."""
     batch, n, hk, dk = q.shape
     hv, dv = v.shape[2:]
-    workspace = poisoned((batch, n, hv, dk, dv), state.dtype)
-    payload = poisoned((batch, n, gdn.gdn_payload_width(hk, dk, hv, dv)), state.dtype)
+    d = q.device
+    workspace = poisoned((batch, n, hv, dk, dv), state.dtype, d)
+    payload = poisoned((batch, n, gdn.gdn_payload_width(hk, dk, hv, dv)), state.dtype, d)
     if fn is gdn._launch_gdn_tree_verify:
-        o = poisoned((batch, n, hv, dv), q.dtype)
+        o = poisoned((batch, n, hv, dv), q.dtype, d)
         fn(q, k, v, g, beta, state, parents, workspace, payload, o, scale, use_qk_l2norm)
     else:
         o = fn(q, k, v, g, beta, state, parents, workspace, payload, scale, use_qk_l2norm)
@@ -173,12 +176,13 @@ TREES = [
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
 @pytest.mark.parametrize("trees", TREES)
-def test_verify_matches_per_path_chains(trees, impl):
+def test_verify_matches_per_path_chains(trees, impl, kernel_device):
+    d = kernel_device if impl == "kernel" else "cpu"
     parents = parents_tensor(trees, seed=7)
     batch, n = parents.shape
     q, k, v, g, beta, state = make_inputs(batch, n, hk=1, hv=2, dk=16, dv=8, seed=n)
-    o, workspace, payload = run_verify(IMPLS[impl], q, k, v, g, beta, state, parents)
-    check_against_oracle(q, k, v, g, beta, state, parents, o, workspace, payload, atol=1e-10)
+    o, workspace, payload = run_verify(IMPLS[impl], *(t.to(d) for t in (q, k, v, g, beta, state, parents)))
+    check_against_oracle(q, k, v, g, beta, state, parents, o.cpu(), workspace.cpu(), payload.cpu(), atol=1e-10)
 
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
@@ -189,31 +193,39 @@ def test_verify_matches_per_path_chains(trees, impl):
         pytest.param((1, 2, 64, 80), id="Hk1-Hv2-Dk64-Dv80-two-value-blocks"),
     ],
 )
-def test_verify_gqa_odd_dims_strided_inputs(shape, impl):
-    """GQA, non-power-of-two head dims, several value blocks, HF-like strided views, explicit scale."""
+def test_verify_gqa_odd_dims_strided_inputs(shape, impl, kernel_device):
+    """GQA, non-power-of-two head dims, several value blocks, HF-like strided views (on the kernel's
+    device), explicit scale."""
+    d = kernel_device if impl == "kernel" else "cpu"
     hk, hv, dk, dv = shape
     parents = parents_tensor([("random", 7)], seed=3)
     n = parents.shape[1]
-    q, k, v, g, beta, state = hf_like_inputs(hk, hv, dk, dv, n, seed=1)
+    inputs = hf_like_inputs(hk, hv, dk, dv, n, seed=1, device=d)
+    q, k, v, g, beta, state = (t.cpu() for t in inputs)  # the oracle's copies
     for scale, l2 in ((0.3, True), (0.05, False)):
-        o, workspace, payload = run_verify(IMPLS[impl], q, k, v, g, beta, state, parents, scale, l2)
+        o, workspace, payload = run_verify(IMPLS[impl], *inputs, parents.to(d), scale, l2)
+        o, workspace, payload = o.cpu(), workspace.cpu(), payload.cpu()
         check_against_oracle(
             q, k, v, g, beta, state, parents, o, workspace, payload, atol=1e-9, scale=scale, use_qk_l2norm=l2
         )
 
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
-def test_chain_never_touches_workspace(impl):
+def test_chain_never_touches_workspace(impl, kernel_device):
+    d = kernel_device if impl == "kernel" else "cpu"
     parents = parents_tensor([("chain", 33), ("chain", 33)])
     q, k, v, g, beta, state = make_inputs(2, 33, hk=1, hv=1, dk=8, dv=8)
-    _, workspace, _ = run_verify(IMPLS[impl], q, k, v, g, beta, state, parents)
+    _, workspace, _ = run_verify(IMPLS[impl], *(t.to(d) for t in (q, k, v, g, beta, state, parents)))
     assert workspace.isnan().all()
     assert not gdn.gdn_branch_points(parents).any()
 
 
-def test_verify_leaves_state_pool_untouched():
-    parents = parents_tensor([("random", 12)])
-    q, k, v, g, beta, state = make_inputs(1, 12, hk=1, hv=2, dk=8, dv=8, dtype=torch.float32)
+def test_verify_leaves_state_pool_untouched(kernel_device):
+    """The launcher and the op, both on ``kernel_device`` (on CPU the op takes its reference path)."""
+    d = kernel_device
+    parents = parents_tensor([("random", 12)]).to(d)
+    inputs = make_inputs(1, 12, hk=1, hv=2, dk=8, dv=8, dtype=torch.float32)
+    q, k, v, g, beta, state = (t.to(d) for t in inputs)
     before = state.clone()
     run_verify(gdn._launch_gdn_tree_verify, q, k, v, g, beta, state, parents)
     run_verify(torch.ops.treespec.gdn_tree_verify, q, k, v, g, beta, state, parents)
@@ -221,20 +233,22 @@ def test_verify_leaves_state_pool_untouched():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_fp32_state_matches_hf_chain(dtype):
-    """The kernel with an fp32 state against HF's own recurrent rule on a chain (HF computes in fp32)."""
+def test_kernel_fp32_state_matches_hf_chain(dtype, kernel_device):
+    """The kernel with an fp32 state against HF's own recurrent rule on a chain (HF computes in fp32, on the
+    CPU)."""
+    d = kernel_device
     n = 9
     q, k, v, g, beta, state = make_inputs(2, n, hk=1, hv=2, dk=16, dv=16, dtype=dtype)
     state = state.float()
     g = g.float()
     chains = parents_tensor([("chain", n)] * 2)
-    o, _, _ = run_verify(gdn._launch_gdn_tree_verify, q, k, v, g, beta, state, chains)
+    o, _, _ = run_verify(gdn._launch_gdn_tree_verify, *(t.to(d) for t in (q, k, v, g, beta, state, chains)))
     want, _ = hf_gdn.torch_recurrent_gated_delta_rule(
         q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True
     )
     assert o.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(o.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(o.cpu().float(), want.float(), atol=tol, rtol=tol)
 
 
 def hf_decode(q, k, v, g, beta, state, path):
@@ -296,14 +310,17 @@ def accepted_paths(parents: torch.Tensor, seed: int):
         pytest.param([("random", 64)], id="B1-N64"),
     ],
 )
-def test_replay_commit_equals_sequential_decode(trees):
+def test_replay_commit_equals_sequential_decode(trees, kernel_device):
+    """The kernels on ``kernel_device``; the op on CPU copies (its reference path) of the kernel's payload."""
+    d = kernel_device
     parents = parents_tensor(trees, seed=11)
     batch, n = parents.shape
     q, k, v, g, beta, state = make_inputs(batch, n, hk=1, hv=2, dk=16, dv=8, seed=2)
-    _, _, payload = run_verify(gdn._launch_gdn_tree_verify, q, k, v, g, beta, state, parents)
+    _, _, payload = run_verify(gdn._launch_gdn_tree_verify, *(t.to(d) for t in (q, k, v, g, beta, state, parents)))
     paths, lens = accepted_paths(parents, seed=n)
-    committed = state.clone()
-    gdn._launch_gdn_replay_commit(committed, payload, paths, lens)
+    committed = state.to(d).clone()
+    gdn._launch_gdn_replay_commit(committed, payload, paths.to(d), lens.to(d))
+    committed, payload = committed.cpu(), payload.cpu()
     by_op = state.clone()
     torch.ops.treespec.gdn_replay_commit(by_op, payload, paths, lens)
     for b in range(batch):
@@ -316,24 +333,27 @@ def test_replay_commit_equals_sequential_decode(trees):
         torch.testing.assert_close(by_op[b], states[-1], atol=1e-10, rtol=1e-10)
 
 
-def test_replay_commit_zero_length_and_prepacked_rows():
-    """accept_len 0 keeps the state bit for bit; rows packed to the front replay with an arange path."""
+def test_replay_commit_zero_length_and_prepacked_rows(kernel_device):
+    """accept_len 0 keeps the state bit for bit; rows packed to the front replay with an arange path (every
+    tensor on ``kernel_device``: kernels against kernels)."""
+    d = kernel_device
     parents = parents_tensor([("random", 6), ("random", 6)], seed=4)
-    q, k, v, g, beta, state = make_inputs(2, 6, hk=1, hv=1, dk=8, dv=8, dtype=torch.float32)
-    _, _, payload = run_verify(gdn._launch_gdn_tree_verify, q, k, v, g, beta, state, parents)
+    inputs = make_inputs(2, 6, hk=1, hv=1, dk=8, dv=8, dtype=torch.float32)
+    q, k, v, g, beta, state = (t.to(d) for t in inputs)
+    _, _, payload = run_verify(gdn._launch_gdn_tree_verify, q, k, v, g, beta, state, parents.to(d))
     path = [path_to(row, 5) for row in parents.tolist()]
-    lens = torch.tensor([len(p) for p in path])
-    padded = torch.tensor([p + [-1] * (6 - len(p)) for p in path])
+    lens = torch.tensor([len(p) for p in path]).to(d)
+    padded = torch.tensor([p + [-1] * (6 - len(p)) for p in path]).to(d)
     packed = payload.clone()
     for b in range(2):
         packed[b, : len(path[b])] = payload[b, path[b]]
-    front = torch.arange(6).expand(2, 6).contiguous()
+    front = torch.arange(6).expand(2, 6).contiguous().to(d)
     a, c = state.clone(), state.clone()
     gdn._launch_gdn_replay_commit(a, payload, padded, lens)
     gdn._launch_gdn_replay_commit(c, packed, front, lens)
     assert torch.equal(a, c)
     zero = state.clone()
-    gdn._launch_gdn_replay_commit(zero, payload, padded, torch.zeros(2, dtype=torch.int64))
+    gdn._launch_gdn_replay_commit(zero, payload, padded, torch.zeros(2, dtype=torch.int64).to(d))
     assert torch.equal(zero, state)
 
 

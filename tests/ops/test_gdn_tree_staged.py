@@ -4,7 +4,8 @@ Every node's scratch row must hold the state a plain float64 chain along the nod
 reaches (each root-to-leaf path run as a chain by the independent oracle of test_gdn_tree), rows past N
 must stay untouched, the outputs must be exactly the replay op's, and committing the last accepted
 node's row must equal decoding the accepted tokens one by one (HF's own decode, bit for bit, on the fp32
-CPU path). Kernels run in the Triton interpreter on CPU, so shapes stay small.
+CPU path). Kernels run on ``kernel_device``: the Triton interpreter on CPU (so shapes stay small), the device
+where CUDA is present; oracles and the ops' reference paths run on the CPU.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ EXTRA_ROWS = 3  # scratch rows past N: the verify must leave them alone
 
 
 def run_staged(impl, q, k, v, g, beta, state, parents, scale=None, use_qk_l2norm=True):
-    """The staged verify (launcher or op) with a NaN-poisoned scratch of N + EXTRA_ROWS rows and output."""
+    """The staged verify (launcher or op) with a NaN-poisoned scratch of N + EXTRA_ROWS rows and output, made
+    on the inputs' device (the launcher's ``kernel_device``)."""
     batch, n, _, dk = q.shape
     hv, dv = v.shape[2:]
-    scratch = poisoned((batch, n + EXTRA_ROWS, hv, dk, dv), state.dtype)
+    d = q.device
+    scratch = poisoned((batch, n + EXTRA_ROWS, hv, dk, dv), state.dtype, d)
     if impl == "kernel":
-        o = poisoned((batch, n, hv, dv), q.dtype)
+        o = poisoned((batch, n, hv, dv), q.dtype, d)
         gdn._launch_gdn_tree_verify(
             q, k, v, g, beta, state, parents, scratch, None, o, scale, use_qk_l2norm, staged=True
         )
@@ -59,13 +62,17 @@ TREES = [
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
 @pytest.mark.parametrize("trees,hk,hv", TREES)
-def test_staged_states_match_per_path_chains(trees, hk, hv, impl):
+def test_staged_states_match_per_path_chains(trees, hk, hv, impl, kernel_device):
+    d = kernel_device if impl == "kernel" else "cpu"
     parents = parents_tensor(trees, seed=5)
     batch, n = parents.shape
-    q, k, v, g, beta, state = make_inputs(batch, n, hk=hk, hv=hv, dk=8, dv=8, seed=n + hv)
+    inputs = make_inputs(batch, n, hk=hk, hv=hv, dk=8, dv=8, seed=n + hv)
+    q, k, v, g, beta, state = (t.to(d) for t in inputs)
     before = state.clone()
-    o, scratch = run_staged(impl, q, k, v, g, beta, state, parents)
+    o, scratch = run_staged(impl, q, k, v, g, beta, state, parents.to(d))
     assert torch.equal(state, before)  # verify never writes the state pool
+    o, scratch = o.cpu(), scratch.cpu()
+    q, k, v, g, beta, state = inputs  # the oracles' (CPU) copies
     assert scratch[:, n:].isnan().all(), "scratch rows past N were written"
     assert not scratch[:, :n].isnan().any(), "some scratch row below N was not written"
     oracle = node_oracle(q, k, v, g, beta, state, parents)
@@ -84,13 +91,17 @@ def test_staged_states_match_per_path_chains(trees, hk, hv, impl):
 
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
-def test_staged_gqa_odd_dims_strided_inputs(impl):
-    """GQA, non-power-of-two head dims, two value blocks, HF-like strided views, explicit scale, no l2norm."""
+def test_staged_gqa_odd_dims_strided_inputs(impl, kernel_device):
+    """GQA, non-power-of-two head dims, two value blocks, HF-like strided views (on the kernel's device),
+    explicit scale, no l2norm."""
+    d = kernel_device if impl == "kernel" else "cpu"
     hk, hv, dk, dv = 1, 2, 12, 80
     parents = parents_tensor([("random", 6)], seed=3)
     n = parents.shape[1]
-    q, k, v, g, beta, state = hf_like_inputs(hk, hv, dk, dv, n, seed=2)
-    o, scratch = run_staged(impl, q, k, v, g, beta, state, parents, 0.2, False)
+    inputs = hf_like_inputs(hk, hv, dk, dv, n, seed=2, device=d)
+    o, scratch = run_staged(impl, *inputs, parents.to(d), 0.2, False)
+    o, scratch = o.cpu(), scratch.cpu()
+    q, k, v, g, beta, state = (t.cpu() for t in inputs)  # the oracle's copies
     oracle = node_oracle(q, k, v, g, beta, state, parents, scale=0.2, use_qk_l2norm=False)
     for t in range(n):
         want_o, want_s = oracle[(0, t)]
@@ -106,15 +117,18 @@ def test_staged_gqa_odd_dims_strided_inputs(impl):
         pytest.param([("random", 33), ("two_branches", 33)], id="B2-N33"),
     ],
 )
-def test_staged_commit_equals_sequential_decode(trees):
-    """ssm_commit_staged (kernel and op) of the last accepted node's row = the accepted tokens as a chain."""
+def test_staged_commit_equals_sequential_decode(trees, kernel_device):
+    """ssm_commit_staged (kernel and op) of the last accepted node's row = the accepted tokens as a chain.
+    The kernels run on ``kernel_device``; the op on CPU copies (its reference path) of the kernel's scratch."""
+    d = kernel_device
     parents = parents_tensor(trees, seed=11)
     batch, n = parents.shape
     q, k, v, g, beta, state = make_inputs(batch, n, hk=1, hv=2, dk=8, dv=8, seed=4)
-    _, scratch = run_staged("kernel", q, k, v, g, beta, state, parents)
+    _, scratch = run_staged("kernel", *(t.to(d) for t in (q, k, v, g, beta, state, parents)))
     paths, lens = accepted_paths(parents, seed=n)
-    by_kernel, by_op = state.clone(), state.clone()
-    m2._launch_ssm_commit_staged(by_kernel, scratch, paths, lens)
+    by_kernel, by_op = state.to(d).clone(), state.clone()
+    m2._launch_ssm_commit_staged(by_kernel, scratch, paths.to(d), lens.to(d))
+    by_kernel, scratch = by_kernel.cpu(), scratch.cpu()
     torch.ops.treespec.ssm_commit_staged(by_op, scratch, paths, lens)
     for b in range(batch):
         path = paths[b, : int(lens[b])].tolist()
@@ -143,14 +157,17 @@ def test_staged_reference_fp32_is_bitwise_hf_decode_on_every_path():
             assert torch.equal(commit[0], final), f"staged state of path to {leaf} differs from HF decode"
 
 
-def test_staged_kernel_fp32_agrees_with_replay_commit():
-    """fp32 kernels: one staged verify + row copy and one replay verify + replay commit give one state."""
+def test_staged_kernel_fp32_agrees_with_replay_commit(kernel_device):
+    """fp32 kernels: one staged verify + row copy and one replay verify + replay commit give one state
+    (every tensor on ``kernel_device``: kernels against kernels)."""
+    d = kernel_device
     parents = parents_tensor([("random", 12), ("star", 12)], seed=9)
-    q, k, v, g, beta, state = make_inputs(2, 12, hk=1, hv=2, dk=16, dv=16, dtype=torch.float32)
-    o_staged, scratch = run_staged("kernel", q, k, v, g, beta, state, parents)
-    o_replay, _, payload = run_verify(gdn._launch_gdn_tree_verify, q, k, v, g, beta, state, parents)
+    inputs = make_inputs(2, 12, hk=1, hv=2, dk=16, dv=16, dtype=torch.float32)
+    q, k, v, g, beta, state = (t.to(d) for t in inputs)
+    o_staged, scratch = run_staged("kernel", q, k, v, g, beta, state, parents.to(d))
+    o_replay, _, payload = run_verify(gdn._launch_gdn_tree_verify, q, k, v, g, beta, state, parents.to(d))
     assert torch.equal(o_staged, o_replay)
-    paths, lens = accepted_paths(parents, seed=3)
+    paths, lens = (t.to(d) for t in accepted_paths(parents, seed=3))
     staged, replayed = state.clone(), state.clone()
     m2._launch_ssm_commit_staged(staged, scratch, paths, lens)
     gdn._launch_gdn_replay_commit(replayed, payload, paths, lens)

@@ -2,8 +2,8 @@
 
 The oracle is test_mamba2_tree.py's: every root-to-leaf path run as a float64 chain of HF's decode math;
 each node's output and payload row must match it. The sequential op (``mamba2_tree_verify``) must agree
-with the chunked one, and the chunked payload must replay to the path's state. Kernels run in the Triton
-interpreter on CPU, so shapes stay small.
+with the chunked one, and the chunked payload must replay to the path's state. Kernels run on
+``kernel_device``: the GPU where there is one, else the Triton interpreter on CPU, so shapes stay small.
 """
 
 from __future__ import annotations
@@ -18,22 +18,25 @@ from test_mamba2_tree import (
     accepted_paths,
     chain_oracle,
     check_against_oracle,
+    device_of,
     every_other,
     every_other_column,
     make_inputs,
     parents_tensor,
     path_to,
+    to_device,
 )
 
 
 def run_chunked(impl, x, dt, A, B, C, D, dt_bias, state, parents, spare_rows=1, block_p=None, **kw):
-    """Call one implementation with NaN-poisoned output and payload (``spare_rows`` past N must stay NaN)."""
+    """Call one implementation with NaN-poisoned output and payload on x's device (``spare_rows`` past N must
+    stay NaN); returns (y, payload) there."""
     batch, n, h, p = x.shape
     g, s = B.shape[2:]
-    payload = poisoned((batch, n + spare_rows, m2.mamba2_payload_width(h, p, g, s)), state.dtype)
+    payload = poisoned((batch, n + spare_rows, m2.mamba2_payload_width(h, p, g, s)), state.dtype, x.device)
     opts = dict(dt_softplus=kw.get("dt_softplus", True), dt_min=kw.get("dt_min"), dt_max=kw.get("dt_max"))
     if impl == "kernel":
-        y = poisoned(tuple(x.shape), x.dtype)
+        y = poisoned(tuple(x.shape), x.dtype, x.device)
         chunked._launch_mamba2_tree_verify_chunked(
             x, dt, A, B, C, D, dt_bias, state, parents, payload, y, *opts.values(), block_p=block_p
         )
@@ -58,10 +61,11 @@ TREES = [
 @pytest.mark.parametrize("decay", ["weak", "normal"])
 @pytest.mark.parametrize("impl", ["reference", "kernel"])
 @pytest.mark.parametrize("trees", TREES)
-def test_chunked_matches_per_path_chains(trees, impl, decay):
-    """float64 reference to 1e-10; the kernel (fp32 in the interpreter: fp64 dots are not lowered on
-    CUDA either) to fp32 rounding. Both against the float64 per-path chains. With weak decays (|A| ~
+def test_chunked_matches_per_path_chains(trees, impl, decay, kernel_device):
+    """float64 reference to 1e-10; the kernel (fp32 on the GPU and in the interpreter alike: fp64 dots are
+    not lowered on CUDA) to fp32 rounding. Both against the float64 per-path chains. With weak decays (|A| ~
     1e-3) every ancestor, however far up the path, still contributes visibly to a node's output."""
+    d = device_of(impl, kernel_device)
     parents = parents_tensor(trees, seed=7)
     batch, n = parents.shape
     dtype = torch.float64 if impl == "reference" else torch.float32
@@ -69,13 +73,14 @@ def test_chunked_matches_per_path_chains(trees, impl, decay):
     if decay == "weak":
         A = A * 1e-3
     inputs = (x, dt, A, B, C, D, dt_bias, state)
-    y, payload = run_chunked(impl, *inputs, parents)
-    check_against_oracle(impl, inputs, parents, y, payload, atol=1e-10 if impl == "reference" else 2e-4)
+    y, payload = run_chunked(impl, *to_device(d, *inputs, parents))
+    check_against_oracle(impl, inputs, parents, y.cpu(), payload.cpu(), atol=1e-10 if impl == "reference" else 2e-4)
 
 
 @pytest.mark.parametrize("impl", ["reference", "kernel"])
-def test_chunked_random_forests_fuzz(impl):
+def test_chunked_random_forests_fuzz(impl, kernel_device):
     """Fuzz: random forests (extra roots with parent -1) of random sizes, batched with chains and stars."""
+    d = device_of(impl, kernel_device)
     gen = torch.Generator().manual_seed(123)
     for trial in range(6 if impl == "kernel" else 12):
         n = int(torch.randint(1, 65, (1,), generator=gen))
@@ -89,14 +94,15 @@ def test_chunked_random_forests_fuzz(impl):
         parents = torch.tensor(rows)
         dtype = torch.float64 if impl == "reference" else torch.float32
         inputs = make_inputs(2, n, h=2, g=2, p=16, s=16, seed=trial, dtype=dtype)
-        y, payload = run_chunked(impl, *inputs, parents)
-        check_against_oracle(impl, inputs, parents, y, payload, atol=1e-10 if impl == "reference" else 2e-4)
+        y, payload = run_chunked(impl, *to_device(d, *inputs, parents))
+        check_against_oracle(impl, inputs, parents, y.cpu(), payload.cpu(), atol=1e-10 if impl == "reference" else 2e-4)
 
 
 @pytest.mark.parametrize("impl", ["reference", "kernel"])
-def test_chunked_groups_odd_dims_strided_inputs_options(impl):
+def test_chunked_groups_odd_dims_strided_inputs_options(impl, kernel_device):
     """Groups, odd head / state dims (S_n over one 64-wide chunk), several head-dim blocks, HF's strided
     split views, and every dt option."""
+    d = device_of(impl, kernel_device)
     h, g, p, s = 4, 2, 40, 72
     parents = parents_tensor([("random", 11), ("deep_fork", 11)], seed=3)
     batch, n = parents.shape
@@ -118,9 +124,9 @@ def test_chunked_groups_odd_dims_strided_inputs_options(impl):
     for opt in options:
         dt_in = dt if opt["kw"].get("dt_softplus", True) else dt.abs()
         inputs = (x, dt_in, A, B, C, opt["D"], opt["dt_bias"], state)
-        y, payload = run_chunked(impl, *inputs, parents, block_p=16, **opt["kw"])
+        y, payload = run_chunked(impl, *to_device(d, *inputs, parents), block_p=16, **opt["kw"])  # strides kept
         tol = 1e-10 if impl == "reference" else 5e-4
-        check_against_oracle(impl, inputs, parents, y, payload, atol=tol, **opt["kw"])
+        check_against_oracle(impl, inputs, parents, y.cpu(), payload.cpu(), atol=tol, **opt["kw"])
 
 
 def test_kernel_takes_views_of_state_tables(kernel_device):
@@ -145,33 +151,35 @@ def test_kernel_takes_views_of_state_tables(kernel_device):
 
 
 @pytest.mark.parametrize("impl", ["reference", "kernel"])
-def test_chunked_strong_decays_keep_precision(impl):
+def test_chunked_strong_decays_keep_precision(impl, kernel_device):
     """Large dt and |A| (path decays down to e^-600): seg is summed along the path, not as a difference
     of two long cumulative sums, so fp32 keeps the recent terms' precision."""
+    d = device_of(impl, kernel_device)
     parents = parents_tensor([("random", 40), ("chain", 40)], seed=5)
     dtype = torch.float64 if impl == "reference" else torch.float32
     x, dt, A, B, C, D, dt_bias, state = make_inputs(2, 40, h=2, g=1, p=16, s=16, seed=9, dtype=dtype)
     dt = dt.abs() * 3 + 1  # softplus keeps it ~1..10
     A = A * 8
     inputs = (x, dt, A, B, C, D, dt_bias, state)
-    y, payload = run_chunked(impl, *inputs, parents)
-    check_against_oracle(impl, inputs, parents, y, payload, atol=1e-10 if impl == "reference" else 2e-4)
+    y, payload = run_chunked(impl, *to_device(d, *inputs, parents))
+    check_against_oracle(impl, inputs, parents, y.cpu(), payload.cpu(), atol=1e-10 if impl == "reference" else 2e-4)
 
 
-def test_kernel_bf16_inputs_fp32_state_matches_sequential_kernel():
+def test_kernel_bf16_inputs_fp32_state_matches_sequential_kernel(kernel_device):
     """bf16 activations, fp32 state and parameters (HF's dtypes): the chunked and the sequential kernel
     agree to fp32 rounding, and their payload rows too."""
+    d = kernel_device
     parents = parents_tensor([("random", 20), ("two_branches", 20)], seed=2)
     x, dt, A, B, C, D, dt_bias, state = make_inputs(2, 20, h=4, g=2, p=16, s=32, dtype=torch.bfloat16)
     A, D, dt_bias = A.float(), D.float(), dt_bias.float()
-    inputs = (x, dt, A, B, C, D, dt_bias, state)
-    y, payload = run_chunked("kernel", *inputs, parents, spare_rows=0)
+    inputs = to_device(d, x, dt, A, B, C, D, dt_bias, state, parents)
+    y, payload = run_chunked("kernel", *inputs, spare_rows=0)
     assert y.dtype == torch.bfloat16
-    seq_payload = poisoned(tuple(payload.shape), torch.float32)
-    seq_y = poisoned(tuple(x.shape), x.dtype)
-    m2._launch_mamba2_tree_verify(*inputs, parents, seq_payload, seq_y, True, None, None, staged=False)
-    torch.testing.assert_close(y.float(), seq_y.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(payload, seq_payload, atol=1e-6, rtol=1e-6)
+    seq_payload = poisoned(tuple(payload.shape), torch.float32, d)
+    seq_y = poisoned(tuple(x.shape), x.dtype, d)
+    m2._launch_mamba2_tree_verify(*inputs, seq_payload, seq_y, True, None, None, staged=False)
+    torch.testing.assert_close(y.float().cpu(), seq_y.float().cpu(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(payload.cpu(), seq_payload.cpu(), atol=1e-6, rtol=1e-6)
 
 
 def test_op_is_the_chunked_reference_on_cpu():
@@ -182,24 +190,27 @@ def test_op_is_the_chunked_reference_on_cpu():
     assert torch.equal(by_op, by_ref) and torch.equal(op_payload, ref_payload)
 
 
-def test_verify_leaves_state_pool_untouched():
+def test_verify_leaves_state_pool_untouched(kernel_device):
     parents = parents_tensor([("random", 12)])
     inputs = make_inputs(1, 12, h=2, g=1, p=16, s=16, dtype=torch.float32)
     before = inputs[-1].clone()
     for impl in ("kernel", "reference", "op"):
-        run_chunked(impl, *inputs, parents)
-        assert torch.equal(inputs[-1], before), impl
+        *moved, parents_d = to_device(device_of(impl, kernel_device), *inputs, parents)
+        run_chunked(impl, *moved, parents_d)
+        assert torch.equal(moved[-1].cpu(), before), impl
 
 
-def test_replay_of_chunked_payload_equals_path_state():
+def test_replay_of_chunked_payload_equals_path_state(kernel_device):
     """The payload feeds mamba2_replay_commit: replaying accepted paths gives the paths' chain states."""
+    d = kernel_device
     parents = parents_tensor([("random", 30), ("deep_fork", 30)], seed=8)
     inputs = make_inputs(2, 30, h=2, g=1, p=16, s=16, dtype=torch.float32, seed=3)
     x, dt, A, B, C, D, dt_bias, state = inputs
-    _, payload = run_chunked("kernel", *inputs, parents, spare_rows=0)
+    _, payload = run_chunked("kernel", *to_device(d, *inputs, parents), spare_rows=0)
     paths, lens = accepted_paths(parents, seed=4)
-    committed = state.clone()
-    m2._launch_mamba2_replay_commit(committed, payload, paths, lens)
+    committed = state.clone().to(d)
+    m2._launch_mamba2_replay_commit(committed, payload, *to_device(d, paths, lens))
+    committed = committed.cpu()
     for b in range(2):
         path = paths[b, : int(lens[b])].tolist()
         if not path:
@@ -210,12 +221,13 @@ def test_replay_of_chunked_payload_equals_path_state():
     assert path_to(parents[0].tolist(), 0) == [0]
 
 
-def test_non_tree_parents_touch_nothing_out_of_bounds():
+def test_non_tree_parents_touch_nothing_out_of_bounds(kernel_device):
     """Parents that are not a tree (forward references, out of range) are clamped as in the sequential
     kernel: the kernel and the reference agree and every output is written."""
     parents = torch.tensor([[-1, 5, 99, -7, 2, 3], [4, 0, 1, 1, 3, 3]])
     inputs = make_inputs(2, 6, h=2, g=1, p=16, s=16, dtype=torch.float32)
-    y, payload = run_chunked("kernel", *inputs, parents)
+    y, payload = run_chunked("kernel", *to_device(kernel_device, *inputs, parents))
+    y, payload = y.cpu(), payload.cpu()
     y_ref, payload_ref = run_chunked("reference", *inputs, parents)
     assert torch.isfinite(y).all() and torch.isfinite(payload).all()
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)

@@ -3,7 +3,8 @@
 Every root-to-leaf path is run as a plain chain of HF's own single-token update
 (``mamba2_selective_state_update``) in float64; each node's output, payload row and (staged) state must
 match it. The fp32 reference must equal HF's token-by-token decode bit for bit (it is the CPU path of
-lossless speculation). Kernels run in the Triton interpreter on CPU, so shapes stay small.
+lossless speculation). Kernels run on ``kernel_device``: the GPU where there is one, else the Triton interpreter
+on CPU, so shapes stay small. Oracles and the ops' CPU reference path stay on the CPU.
 """
 
 from __future__ import annotations
@@ -125,20 +126,38 @@ def node_oracle(x, dt, A, B, C, D, dt_bias, state, parents, **kw):
     return result
 
 
+def to_device(device, *tensors):
+    """The tensors on ``device`` with their strides kept (None stays None; a tensor already there is returned
+    itself): ``.to`` would copy a view with gaps, such as HF's split views, into a contiguous tensor."""
+    moved = []
+    for t in tensors:
+        if t is not None and t.device.type != torch.device(device).type:
+            t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).copy_(t)
+        moved.append(t)
+    return tuple(moved)
+
+
+def device_of(impl: str, kernel_device: str) -> str:
+    """Where ``impl`` runs: a kernel on ``kernel_device``; an op or a reference on the CPU (the op's reference
+    path there)."""
+    return kernel_device if impl.endswith("kernel") else "cpu"
+
+
 def assert_close(actual, expected, tol, what):
     torch.testing.assert_close(actual, expected, atol=tol, rtol=tol, msg=lambda report: f"{what}: {report}")
 
 
 def run_verify(impl, x, dt, A, B, C, D, dt_bias, state, parents, **kw):
-    """Call a verify implementation with NaN-poisoned output and buffer; returns (y, payload or scratch)."""
+    """Call a verify implementation with NaN-poisoned output and buffer on x's device; returns (y, payload or
+    scratch) there."""
     batch, n, h, p = x.shape
     g, s = B.shape[2:]
     staged = impl.startswith("staged")
     width = m2.mamba2_payload_width(h, p, g, s)
-    buf = poisoned((batch, n, h, p, s) if staged else (batch, n, width), state.dtype)
+    buf = poisoned((batch, n, h, p, s) if staged else (batch, n, width), state.dtype, x.device)
     kwargs = dict(dt_softplus=kw.get("dt_softplus", True), dt_min=kw.get("dt_min"), dt_max=kw.get("dt_max"))
     if impl.endswith("kernel"):
-        y = poisoned(tuple(x.shape), x.dtype)
+        y = poisoned(tuple(x.shape), x.dtype, x.device)
         launch = m2._launch_mamba2_tree_verify
         launch(x, dt, A, B, C, D, dt_bias, state, parents, buf, y, **kwargs, staged=staged)
     else:
@@ -190,12 +209,13 @@ TREES = [
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("trees", TREES)
-def test_verify_matches_per_path_chains(trees, impl):
+def test_verify_matches_per_path_chains(trees, impl, kernel_device):
+    d = device_of(impl, kernel_device)
     parents = parents_tensor(trees, seed=7)
     batch, n = parents.shape
     inputs = make_inputs(batch, n, h=2, g=1, p=8, s=16, seed=n)
-    y, buf = run_verify(impl, *inputs, parents)
-    check_against_oracle(impl, inputs, parents, y, buf, atol=1e-10)
+    y, buf = run_verify(impl, *to_device(d, *inputs, parents))
+    check_against_oracle(impl, inputs, parents, y.cpu(), buf.cpu(), atol=1e-10)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -206,8 +226,9 @@ def test_verify_matches_per_path_chains(trees, impl):
         pytest.param((2, 1, 40, 64), id="H2-G1-P40-S64-two-head-dim-blocks"),
     ],
 )
-def test_verify_groups_odd_dims_strided_inputs_options(shape, impl):
+def test_verify_groups_odd_dims_strided_inputs_options(shape, impl, kernel_device):
     """Groups, odd head / state dims, several head-dim blocks, HF's strided split views, every option."""
+    d = device_of(impl, kernel_device)
     h, g, p, s = shape
     parents = parents_tensor([("random", 7)], seed=3)
     n = parents.shape[1]
@@ -229,17 +250,18 @@ def test_verify_groups_odd_dims_strided_inputs_options(shape, impl):
     for opt in options:
         dt_in = dt if opt["kw"].get("dt_softplus", True) else dt.abs()  # no softplus: keep dt positive
         inputs = (x, dt_in, A, B, C, opt["D"], opt["dt_bias"], state)
-        y, buf = run_verify(impl, *inputs, parents, **opt["kw"])
-        check_against_oracle(impl, inputs, parents, y, buf, atol=1e-9, **opt["kw"])
+        y, buf = run_verify(impl, *to_device(d, *inputs, parents), **opt["kw"])  # the views' strides kept
+        check_against_oracle(impl, inputs, parents, y.cpu(), buf.cpu(), atol=1e-9, **opt["kw"])
 
 
-def test_verify_leaves_state_pool_untouched():
+def test_verify_leaves_state_pool_untouched(kernel_device):
     parents = parents_tensor([("random", 12)])
     inputs = make_inputs(1, 12, h=2, g=1, p=8, s=16, dtype=torch.float32)
     before = inputs[-1].clone()
     for impl in IMPLS:
-        run_verify(impl, *inputs, parents)
-        assert torch.equal(inputs[-1], before), impl
+        *moved, parents_d = to_device(device_of(impl, kernel_device), *inputs, parents)
+        run_verify(impl, *moved, parents_d)
+        assert torch.equal(moved[-1].cpu(), before), impl
 
 
 def hf_decode(x, dt, A, B, C, D, dt_bias, state, path):
@@ -271,12 +293,14 @@ def test_reference_fp32_is_bitwise_hf_decode_on_every_path():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kernel_fp32_state_matches_hf_decode(dtype):
+def test_kernel_fp32_state_matches_hf_decode(dtype, kernel_device):
     """The kernel with an fp32 state against HF's decode on a tree's paths (HF in fp32 inputs' math)."""
+    d = kernel_device
     parents = parents_tensor([("random", 9)], seed=2)
     x, dt, A, B, C, D, dt_bias, state = make_inputs(1, 9, h=2, g=1, p=16, s=16, dtype=dtype)
     A, D, dt_bias = A.float(), D.float(), dt_bias.float()  # HF keeps A, D, dt_bias in fp32 parameters
-    y, _ = run_verify("kernel", x, dt, A, B, C, D, dt_bias, state, parents)
+    y, _ = run_verify("kernel", *to_device(d, x, dt, A, B, C, D, dt_bias, state, parents))
+    y = y.cpu()
     assert y.dtype == dtype
     row = parents[0].tolist()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -316,7 +340,8 @@ def accepted_paths(parents: torch.Tensor, seed: int):
         pytest.param([("random", 64), ("deep_fork", 64)], id="B2-N64"),
     ],
 )
-def test_replay_and_staged_commit_equal_sequential_decode(trees):
+def test_replay_and_staged_commit_equal_sequential_decode(trees, kernel_device):
+    d = kernel_device
     parents = parents_tensor(trees, seed=11)
     batch, n = parents.shape
     inputs = make_inputs(batch, n, h=2, g=1, p=8, s=16, seed=2)
@@ -324,15 +349,17 @@ def test_replay_and_staged_commit_equal_sequential_decode(trees):
     _, payload = run_verify("op", *inputs, parents)
     _, scratch = run_verify("staged-op", *inputs, parents)
     paths, lens = accepted_paths(parents, seed=n)
-    commits = {
-        "replay-kernel": lambda s: m2._launch_mamba2_replay_commit(s, payload, paths, lens),
-        "replay-op": lambda s: torch.ops.treespec.mamba2_replay_commit(s, payload, paths, lens),
-        "staged-kernel": lambda s: m2._launch_ssm_commit_staged(s, scratch, paths, lens),
-        "staged-op": lambda s: torch.ops.treespec.ssm_commit_staged(s, scratch, paths, lens),
+    payload_d, scratch_d, paths_d, lens_d = to_device(d, payload, scratch, paths, lens)
+    commits = {  # name: (device, commit); the ops take CPU tensors, where they are the reference
+        "replay-kernel": (d, lambda s: m2._launch_mamba2_replay_commit(s, payload_d, paths_d, lens_d)),
+        "replay-op": ("cpu", lambda s: torch.ops.treespec.mamba2_replay_commit(s, payload, paths, lens)),
+        "staged-kernel": (d, lambda s: m2._launch_ssm_commit_staged(s, scratch_d, paths_d, lens_d)),
+        "staged-op": ("cpu", lambda s: torch.ops.treespec.ssm_commit_staged(s, scratch, paths, lens)),
     }
-    for name, commit in commits.items():
-        committed = state.clone()
+    for name, (device, commit) in commits.items():
+        committed = state.clone().to(device)
         commit(committed)
+        committed = committed.cpu()
         for b in range(batch):
             path = paths[b, : int(lens[b])].tolist()
             if not path:
@@ -342,27 +369,31 @@ def test_replay_and_staged_commit_equal_sequential_decode(trees):
             assert_close(committed[b], states[-1], 1e-10, f"{name}, request {b}")
 
 
-def test_staged_commit_equals_replay_commit_fp32():
+def test_staged_commit_equals_replay_commit_fp32(kernel_device):
     """fp32 kernels: the staged state (one verify) and the replayed state agree, and so do the outputs."""
+    d = kernel_device
     parents = parents_tensor([("random", 20), ("deep_fork", 20)], seed=9)
     inputs = make_inputs(2, 20, h=2, g=2, p=8, s=16, dtype=torch.float32, seed=4)
-    state = inputs[-1]
-    y, payload = run_verify("kernel", *inputs, parents)
-    y_staged, scratch = run_verify("staged-kernel", *inputs, parents)
-    torch.testing.assert_close(y, y_staged, atol=1e-6, rtol=1e-6)
-    paths, lens = accepted_paths(parents, seed=3)
+    moved = to_device(d, *inputs, parents)
+    state = moved[-2]
+    y, payload = run_verify("kernel", *moved)
+    y_staged, scratch = run_verify("staged-kernel", *moved)
+    torch.testing.assert_close(y.cpu(), y_staged.cpu(), atol=1e-6, rtol=1e-6)
+    paths, lens = to_device(d, *accepted_paths(parents, seed=3))
     replayed, staged = state.clone(), state.clone()
     m2._launch_mamba2_replay_commit(replayed, payload, paths, lens)
     m2._launch_ssm_commit_staged(staged, scratch, paths, lens)
-    torch.testing.assert_close(replayed, staged, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(replayed.cpu(), staged.cpu(), atol=1e-6, rtol=1e-6)
 
 
-def test_replay_commit_prepacked_rows_and_zero_length():
+def test_replay_commit_prepacked_rows_and_zero_length(kernel_device):
     """Rows packed to the front replay with an arange path; accept_len 0 keeps the state bit for bit."""
+    d = kernel_device
     parents = parents_tensor([("random", 6), ("random", 6)], seed=4)
     inputs = make_inputs(2, 6, h=2, g=1, p=8, s=16, dtype=torch.float32)
     state = inputs[-1]
-    _, payload = run_verify("kernel", *inputs, parents)
+    _, payload = run_verify("kernel", *to_device(d, *inputs, parents))
+    payload = payload.cpu()
     path = [path_to(row, 5) for row in parents.tolist()]
     lens = torch.tensor([len(p) for p in path])
     padded = torch.tensor([p + [-1] * (6 - len(p)) for p in path])
@@ -370,15 +401,15 @@ def test_replay_commit_prepacked_rows_and_zero_length():
     for b in range(2):
         packed[b, : len(path[b])] = payload[b, path[b]]
     front = torch.arange(6).expand(2, 6).contiguous()
-    a, c = state.clone(), state.clone()
-    m2._launch_mamba2_replay_commit(a, payload, padded, lens)
-    m2._launch_mamba2_replay_commit(c, packed, front, lens)
-    assert torch.equal(a, c)
+    a, c = to_device(d, state.clone(), state.clone())
+    m2._launch_mamba2_replay_commit(a, *to_device(d, payload, padded, lens))
+    m2._launch_mamba2_replay_commit(c, *to_device(d, packed, front, lens))
+    assert torch.equal(a.cpu(), c.cpu())
     zero = torch.zeros(2, dtype=torch.int64)
-    for commit in (m2._launch_mamba2_replay_commit, torch.ops.treespec.mamba2_replay_commit):
-        kept = state.clone()
-        commit(kept, payload, padded, zero)
-        assert torch.equal(kept, state)
+    for commit, device in ((m2._launch_mamba2_replay_commit, d), (torch.ops.treespec.mamba2_replay_commit, "cpu")):
+        kept, *rest = to_device(device, state.clone(), payload, padded, zero)  # the op: its CPU reference path
+        commit(kept, *rest)
+        assert torch.equal(kept.cpu(), state)
 
 
 @pytest.mark.parametrize("impl", ["kernel", "op"])
@@ -390,19 +421,20 @@ def test_replay_commit_prepacked_rows_and_zero_length():
         pytest.param(((2, 2, 8, 16), torch.float32, True), id="pool-layer-slice-B2-fp32"),
     ],
 )
-def test_ssm_commit_staged_is_generic(case, impl):
+def test_ssm_commit_staged_is_generic(case, impl, kernel_device):
     """Any state shape and dtype: the last accepted node's scratch row, bit for bit; a pool slice works."""
+    d = device_of(impl, kernel_device)
     shape, dtype, pool_slice = case
     batch, n = shape[0], 5
     gen = torch.Generator().manual_seed(0)
     if pool_slice:  # state pool [layers, B, ...]: layer 1's [B, ...] has a batch stride, rows contiguous
-        pool = torch.randn((3,) + shape, generator=gen).to(dtype)
+        pool = torch.randn((3,) + shape, generator=gen).to(dtype).to(d)
         state, untouched = pool[1], (pool[0].clone(), pool[2].clone())
     else:
-        state, untouched = torch.randn(shape, generator=gen).to(dtype), None
-    scratch = torch.randn((batch, n + 2) + shape[1:], generator=gen).to(dtype)
-    paths = torch.tensor([[0, 1, 3, -1, -1], [0, 2, -1, -1, -1], [0, 1, 2, 3, 4]])[:batch]
-    lens = torch.tensor([3, 0, 5])[:batch]
+        state, untouched = torch.randn(shape, generator=gen).to(dtype).to(d), None
+    scratch = torch.randn((batch, n + 2) + shape[1:], generator=gen).to(dtype).to(d)
+    paths = torch.tensor([[0, 1, 3, -1, -1], [0, 2, -1, -1, -1], [0, 1, 2, 3, 4]])[:batch].to(d)
+    lens = torch.tensor([3, 0, 5])[:batch].to(d)
     before = state.clone()
     commit = m2._launch_ssm_commit_staged if impl == "kernel" else torch.ops.treespec.ssm_commit_staged
     commit(state, scratch, paths, lens)

@@ -36,22 +36,25 @@ def candidates_of_a_round(K, S, N, B, mode, dtype, seed):
     return (*tree.candidates(), roots), inputs
 
 
-def run_kernel(scores, tokens, parents, roots, K, N, block_c=64, outputs=None):
+def run_kernel(scores, tokens, parents, roots, K, N, block_c=64, outputs=None, device="cpu"):
+    """Launch on ``device`` (inputs moved there, outputs poisoned there unless given); the outputs on the CPU."""
     B = scores.shape[0]
-    outs = outputs if outputs is not None else tuple(poisoned((B, N), torch.int64) for _ in NAMES)
-    _launch_select_tree(scores, tokens, parents, roots, K, *outs, block_c=block_c)
-    return outs
+    outs = outputs if outputs is not None else tuple(poisoned((B, N), torch.int64, device) for _ in NAMES)
+    inputs = (t.to(device) for t in (scores, tokens, parents, roots))
+    _launch_select_tree(*inputs, K, *outs, block_c=block_c)
+    return tuple(o.cpu() for o in outs)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("config", KERNEL_CONFIGS, ids=lambda c: "K{}-S{}-N{}".format(*c))
-def test_kernel_matches_the_python_walk_and_the_reference(config, mode):
+def test_kernel_matches_the_python_walk_and_the_reference(config, mode, kernel_device):
     """Poisoned outputs, every node written; each request's tree equals the independent Python walk's."""
+    d = kernel_device
     K, S, N = config
     B = 3
     dtype = torch.float32 if (K + S + N) % 2 else torch.float64  # both score dtypes across the configs
     (scores, tokens, parents, roots), (logp0, tokens0, steps, _) = candidates_of_a_round(K, S, N, B, mode, dtype, 2)
-    got = run_kernel(scores, tokens, parents, roots, K, N)
+    got = run_kernel(scores, tokens, parents, roots, K, N, device=d)
     check_valid_tree(TreeBatch(*got), N)
     want = select_tree_reference(scores, tokens, parents, roots, K, N)
     for name, g, w in zip(NAMES, got, want):
@@ -66,20 +69,22 @@ def test_kernel_matches_the_python_walk_and_the_reference(config, mode):
             assert got[NAMES.index(name)][b].tolist() == tree[name], f"{name} b={b}"
 
 
-def test_many_candidates_and_tile_widths():
+def test_many_candidates_and_tile_widths(kernel_device):
     """(8, 9, 64): 520 candidates, 9 tiles a side at the default width and 5 at 128, the lane window at bit 63;
     (4, 6, 63) in 16-wide tiles (6 a side). Each equals the reference."""
+    d = kernel_device
     for (K, S, N), widths in (((8, 9, 64), (64, 128)), ((4, 6, 63), (16,))):
         (scores, tokens, parents, roots), _ = candidates_of_a_round(K, S, N, 2, "ties", torch.float32, 0)
         want = select_tree_reference(scores, tokens, parents, roots, K, N)
         for block_c in widths:
-            got = run_kernel(scores, tokens, parents, roots, K, N, block_c=block_c)
+            got = run_kernel(scores, tokens, parents, roots, K, N, block_c=block_c, device=d)
             for name, g, w in zip(NAMES, got, want):
                 assert torch.equal(g, w), (K, block_c, name)
 
 
-def test_fuzzed_configs():
+def test_fuzzed_configs(kernel_device):
     """Random (K, S, N) within DraftTree's limits and random score modes, against the reference."""
+    d = kernel_device
     g = torch.Generator().manual_seed(21)
     seen = 0
     while seen < 12:
@@ -91,28 +96,30 @@ def test_fuzzed_configs():
         N = int(torch.randint(max(1, (S - 1) * K), min(64, C + 1) + 1, (1,), generator=g))
         mode = MODES[int(torch.randint(0, len(MODES), (1,), generator=g))]
         (scores, tokens, parents, roots), _ = candidates_of_a_round(K, S, N, 2, mode, torch.float32, seen)
-        got = run_kernel(scores, tokens, parents, roots, K, N)
+        got = run_kernel(scores, tokens, parents, roots, K, N, device=d)
         want = select_tree_reference(scores, tokens, parents, roots, K, N)
         for name, a, w in zip(NAMES, got, want):
             assert torch.equal(a, w), ((K, S, N), mode, name)
         seen += 1
 
 
-def test_strided_inputs_and_outputs():
-    """Inputs that are column slices of wider buffers, outputs that are transposed views: strides obeyed."""
+def test_strided_inputs_and_outputs(kernel_device):
+    """Inputs that are column slices of wider buffers, outputs that are transposed views (built on the kernel's
+    device, so the launch sees these strides): strides obeyed."""
+    d = kernel_device
     K, S, N, B = 3, 5, 33, 4
     (scores, tokens, parents, roots), _ = candidates_of_a_round(K, S, N, B, "some_nan", torch.float32, 1)
     want = select_tree_reference(scores, tokens, parents, roots, K, N)
     C = scores.shape[1]
 
     def wide(t):
-        w = torch.full((B, 2 * C + 1), 0, dtype=t.dtype)
-        w[:, 1::2] = t
+        w = torch.full((B, 2 * C + 1), 0, dtype=t.dtype, device=d)
+        w[:, 1::2] = t.to(d)
         return w[:, 1::2]
 
-    outs = tuple(poisoned((N, B), torch.int64).t() for _ in NAMES)
-    roots_strided = torch.stack([roots, roots], 1)[:, 1]
-    got = run_kernel(wide(scores), wide(tokens), wide(parents), roots_strided, K, N, outputs=outs)
+    outs = tuple(poisoned((N, B), torch.int64, d).t() for _ in NAMES)
+    roots_strided = torch.stack([roots, roots], 1).to(d)[:, 1]
+    got = run_kernel(wide(scores), wide(tokens), wide(parents), roots_strided, K, N, outputs=outs, device=d)
     for name, g, w in zip(NAMES, got, want):
         assert torch.equal(g, w), name
 

@@ -40,27 +40,29 @@ def _check(out, x, w, b):
     "M,N,K,bias",
     [(1, 40, 64, False), (3, 17, 50, True), (16, 64, 128, False), (20, 33, 96, True), (64, 48, 200, False)],
 )
-def test_matches_float64_linear(dtype, M, N, K, bias):
+def test_matches_float64_linear(dtype, M, N, K, bias, kernel_device):
+    d = kernel_device
     x, w, b = _inputs(M, N, K, dtype, bias, seed=M * 1000 + N)
-    out = poisoned((M, N), dtype)
-    _launch_skinny_linear(x, w, b, out)
-    _check(out, x, w, b)
+    out = poisoned((M, N), dtype, d)
+    _launch_skinny_linear(x.to(d), w.to(d), None if b is None else b.to(d), out)
+    _check(out.cpu(), x, w, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("M,N,K,bias,block_m", [(65, 24, 40, True, None), (96, 33, 72, False, None),
                                                 (130, 20, 50, True, 32), (256, 17, 64, False, 128)])  # fmt: skip
-def test_a_batch_of_trees_runs_in_row_blocks(dtype, M, N, K, bias, block_m):
+def test_a_batch_of_trees_runs_in_row_blocks(dtype, M, N, K, bias, block_m, kernel_device):
     """Past 64 rows (a batch of trees' verify) the tiles repeat over row blocks (64 by default; a measured
     entry may pick another): the last block is partial, every row and column is written once."""
     from treecompile.ops.skinny_linear import ROW_BLOCK
 
+    d = kernel_device
     x, w, b = _inputs(M, N, K, dtype, bias, seed=M + N)
     cfg = choose_skinny_config(M, N, K) if block_m is None else choose_skinny_config(M, N, K, block_m=block_m)
     assert cfg.block_m == (block_m or ROW_BLOCK) and M > cfg.block_m  # several row blocks
-    out = poisoned((M, N), dtype)
-    _launch_skinny_linear(x, w, b, out, config=cfg)
-    _check(out, x, w, b)
+    out = poisoned((M, N), dtype, d)
+    _launch_skinny_linear(x.to(d), w.to(d), None if b is None else b.to(d), out, config=cfg)
+    _check(out.cpu(), x, w, b)
 
 
 def test_batch_rows_stay_on_cublas_until_measured(monkeypatch):
@@ -126,31 +128,34 @@ def test_the_shipped_table_sends_smollm2_batch_verify_where_it_was_measured_fast
 
 
 @pytest.mark.parametrize("block_m,block_n,block_k", [(16, 16, 16), (32, 32, 64), (64, 16, 32)])
-def test_every_tile_shape_is_exact_enough(block_m, block_n, block_k):
+def test_every_tile_shape_is_exact_enough(block_m, block_n, block_k, kernel_device):
+    d = kernel_device
     x, w, b = _inputs(37, 70, 90, torch.float32, True, seed=block_n)
-    out = poisoned((37, 70), torch.float32)
+    out = poisoned((37, 70), torch.float32, d)
     cfg = choose_skinny_config(37, 70, 90, block_m=block_m, block_n=block_n, block_k=block_k)
-    _launch_skinny_linear(x, w, b, out, config=cfg)
-    _check(out, x, w, b)
+    _launch_skinny_linear(x.to(d), w.to(d), b.to(d), out, config=cfg)
+    _check(out.cpu(), x, w, b)
 
 
-def test_strided_rows_in_and_out():
+def test_strided_rows_in_and_out(kernel_device):
+    d = kernel_device
     x_wide, w, _ = _inputs(5, 24, 40, torch.float32, False)
-    x = torch.cat([x_wide, torch.full((5, 8), float("nan"))], 1)[:, :40]  # row stride 48, NaN past K
-    out_wide = poisoned((5, 30), torch.float32)
+    x = torch.cat([x_wide, torch.full((5, 8), float("nan"))], 1).to(d)[:, :40]  # row stride 48, NaN past K
+    out_wide = poisoned((5, 30), torch.float32, d)
     out = out_wide[:, :24]
-    _launch_skinny_linear(x, w, None, out)
-    _check(out, x_wide, w, None)
+    _launch_skinny_linear(x, w.to(d), None, out)
+    _check(out.cpu(), x_wide, w, None)
     assert out_wide[:, 24:].isnan().all(), "wrote past the output's columns"
 
 
-def test_weight_rows_view():
+def test_weight_rows_view(kernel_device):
     """A fused projection hands out row slices of one weight: contiguous rows, a storage offset."""
+    d = kernel_device
     x, w, _ = _inputs(2, 96, 32, torch.float32, False)
     part = w[32:64]
-    out = poisoned((2, 32), torch.float32)
-    _launch_skinny_linear(x, part, None, out)
-    _check(out, x, part, None)
+    out = poisoned((2, 32), torch.float32, d)
+    _launch_skinny_linear(x.to(d), w.to(d)[32:64], None, out)  # sliced where it lives: a storage offset there too
+    _check(out.cpu(), x, part, None)
 
 
 def test_bias_column_of_a_wider_table(kernel_device):
@@ -174,15 +179,16 @@ def test_bias_column_of_a_wider_table(kernel_device):
     [(1, 40, 64, False, 8, 32), (3, 17, 50, True, 4, 16), (8, 33, 96, True, 16, 64), (5, 9, 200, False, 2, 128),
      (16, 13, 72, True, 4, 32), (11, 20, 40, False, 8, 16)],
 )
-def test_gemv_matches_float64_linear(dtype, M, N, K, bias, block_n, block_k, pipeline):
+def test_gemv_matches_float64_linear(dtype, M, N, K, bias, block_n, block_k, pipeline, kernel_device):
     """The multiply-add kernel, both loops (the register double buffer, and the compiler-pipelined one): N
     not a multiple of the slice, K not a multiple of the step (the masked last tile), rows padded up to a
     power of two."""
+    d = kernel_device
     x, w, b = _inputs(M, N, K, dtype, bias, seed=M * 100 + N)
-    out = poisoned((M, N), dtype)
+    out = poisoned((M, N), dtype, d)
     cfg = gemv_config(M, N, K, block_n=block_n, block_k=block_k, pipeline=pipeline)
-    _launch_skinny_linear(x, w, b, out, config=cfg)
-    _check(out, x, w, b)
+    _launch_skinny_linear(x.to(d), w.to(d), None if b is None else b.to(d), out, config=cfg)
+    _check(out.cpu(), x, w, b)
 
 
 def test_gemv_strided_rows_views_and_pdl_config(kernel_device):
@@ -649,6 +655,7 @@ def test_counter_tables_are_one_per_owner_and_never_resized():
         ("wide", [(64, 40, 96, 3), (20, 24, 64, 3)], "split_k", "dot"),
     ],
 )
+@pytest.mark.interpreter  # the script's smoke modes are the interpreter's (they put their tensors on the CPU)
 def test_sweep_mode_smoke(tmp_path, monkeypatch, mode, shapes, flag, kind):
     """tests/gpu/skinny_sweep.py's ``pipe``, ``tma`` and ``wide`` modes (interpreter, two tiny shapes each): the mode's
     configs run and are checked against F.linear; the rows (``best.<flag>`` where such a config won) load into
@@ -726,7 +733,8 @@ def test_gemv_keep_footprint_shortens_the_k_step_of_a_stand_in_entry(monkeypatch
 
 
 @pytest.mark.parametrize("gpu", [None, "H100 SXM"], ids=["h200_table", "h100_table"])
-def test_every_stand_in_gemv_config_of_the_shipped_tables_matches_float64(gpu, monkeypatch):
+def test_every_stand_in_gemv_config_of_the_shipped_tables_matches_float64(gpu, monkeypatch,
+                                                                          kernel_device):  # fmt: skip
     """The footprint rule (on by default since the forty-sixth session) makes gemv configs no sweep ran: an
     entry measured at m rows standing in for M > m rows takes a shorter K step. Each distinct such config of the
     shipped H100 table (every row count of 2..16 an entry stands in for) runs here on a scaled-down weight,
@@ -754,13 +762,14 @@ def test_every_stand_in_gemv_config_of_the_shipped_tables_matches_float64(gpu, m
         return
     # the 8B head's fc at 6 rows on the H100: the case the rule was made for
     assert any(M == 6 and nk == (4096, 12288) for (M, _), nk in configs.items())
+    d = kernel_device
     for i, ((M, cfg), (N, K)) in enumerate(sorted(configs.items(), key=lambda item: (item[0][0], str(item[0][1])))):
         n, k = 2 * cfg.block_n + 3, 2 * cfg.block_k + 24
         x, w, b = _inputs(M, n, k, torch.float32, bias=i % 2 == 1, seed=i)
-        out = poisoned((M, n), torch.float32)
-        _launch_skinny_linear(x, w, b, out, config=cfg)
+        out = poisoned((M, n), torch.float32, d)
+        _launch_skinny_linear(x.to(d), w.to(d), None if b is None else b.to(d), out, config=cfg)
         assert cfg.block_k >= 16, (M, N, K, cfg)
-        _check(out, x, w, b)
+        _check(out.cpu(), x, w, b)
 
 
 @pytest.mark.parametrize("gpu", [None, "H100 SXM"], ids=["h200_table", "h100_table"])

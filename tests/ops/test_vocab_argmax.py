@@ -31,21 +31,21 @@ def hard_rows(vocab: int, seed: int, dtype) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("vocab,block", [(1, 1), (5, 2), (37, 8), (100, 16), (300, 64)])
-def test_matches_torch_argmax(dtype, vocab, block):
+def test_matches_torch_argmax(dtype, vocab, block, kernel_device):
     logits = hard_rows(vocab, seed=vocab, dtype=dtype)
-    index = poisoned((logits.shape[0],), torch.int64)
-    _launch_vocab_argmax(logits, index, block=block)
-    assert torch.equal(index, torch.argmax(logits, dim=-1))
+    index = poisoned((logits.shape[0],), torch.int64, kernel_device)
+    _launch_vocab_argmax(logits.to(kernel_device), index, block=block)
+    assert torch.equal(index.cpu(), torch.argmax(logits, dim=-1))
 
 
-def test_default_block_and_a_strided_row_view():
+def test_default_block_and_a_strided_row_view(kernel_device):
     base = hard_rows(300, seed=3, dtype=torch.float32)
     wide = torch.full((8, 400), 1e30)  # row stride 400: the op must read only each row's first 300 entries
     wide[:, :300] = base
-    logits = wide[:, :300]
-    index = poisoned((8,), torch.int64)
+    logits = wide.to(kernel_device)[:, :300]  # sliced where it lives, so the launch sees the stride
+    index = poisoned((8,), torch.int64, kernel_device)
     _launch_vocab_argmax(logits, index)
-    assert torch.equal(index, torch.argmax(base, dim=-1))
+    assert torch.equal(index.cpu(), torch.argmax(base, dim=-1))
 
 
 def test_op_on_cpu_is_the_reference_and_traces():
