@@ -13,7 +13,9 @@ sync and is safe inside captured regions. Value checks (is `parents` a tree?) li
 from __future__ import annotations
 
 import functools
+import math
 import os
+import struct
 
 import torch
 
@@ -31,6 +33,26 @@ except Exception:  # pragma: no cover - depends on the install
 def triton_interpret() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def float_pair(x: float) -> tuple[float, float]:
+    """``x`` as ``(head, tail)``: head the float32 nearest x, tail the float32 nearest ``x - head``.
+
+    A compiled Triton kernel takes a Python float argument as float32 (the interpreter keeps float64), so a
+    float64 kernel handed ``x`` alone would compute with float32(x): a scale of 8 ** -0.5 is then off by 2e-8
+    relative. Kernels take both parts and form ``(tl.zeros((), acc) + head) + tail`` (the interpreter hands a
+    float over as a Python float, with no ``.to``): x to about 2^-48 relative in float64, and exactly head =
+    float32(x) in float32 (tail is at most half an ulp of head), so the float32 paths round as before.
+    Non-finite x (an absent limit, +-inf) and x past float32's range are ``(x, 0.0)``."""
+    if not math.isfinite(x):
+        return x, 0.0
+    try:
+        head = struct.unpack("f", struct.pack("f", x))[0]  # round to nearest float32
+    except OverflowError:  # some Pythons refuse values past float32's range, others round them to +-inf
+        head = math.inf
+    if not math.isfinite(head):  # past float32's range: the kernel sees +-inf, as with x alone
+        return x, 0.0
+    return head, struct.unpack("f", struct.pack("f", x - head))[0]
 
 
 L2_PREFETCH_MAX = 16  # tiles a program may hint into L2 ahead (a power of two: a tl.arange length)

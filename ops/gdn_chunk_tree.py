@@ -58,7 +58,7 @@ from typing import Optional
 
 import torch
 
-from ._common import HAS_TRITON, check_dim, check_same_device, use_triton
+from ._common import HAS_TRITON, check_dim, check_same_device, float_pair, use_triton
 from .gdn_tree import _check_inputs, _l2norm, _payload_offsets, gdn_payload_width
 from .tree_mask import build_ancestor_mask_reference
 
@@ -161,7 +161,7 @@ def _launch_gdn_tree_verify_chunked(
     v_off, g_off, beta_off = _payload_offsets(num_k_heads, head_k_dim, num_v_heads, head_v_dim)
     _gdn_tree_verify_chunked_kernel[(batch, num_v_heads, triton.cdiv(head_v_dim, block_v))](
         q, k, v, g, beta, state, parents, payload, o,
-        num_nodes, float(head_k_dim**-0.5 if scale is None else scale),
+        num_nodes, *float_pair(float(head_k_dim**-0.5 if scale is None else scale)),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), *parents.stride(), *payload.stride(), *o.stride(),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
@@ -176,7 +176,7 @@ if HAS_TRITON:
     @triton.jit
     def _gdn_tree_verify_chunked_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, parents_ptr, payload_ptr, o_ptr,
-        num_nodes, scale,
+        num_nodes, scale_head, scale_tail,
         s_qb, s_qn, s_qh, s_qd,
         s_kb, s_kn, s_kh, s_kd,
         s_vb, s_vn, s_vh, s_vd,
@@ -234,7 +234,7 @@ if HAS_TRITON:
         if USE_L2NORM:
             Q = Q * (1.0 / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6))[:, None]
             K = K * (1.0 / tl.sqrt(tl.sum(K * K, 1) + 1e-6))[:, None]
-        Q = Q * scale
+        Q = Q * ((tl.zeros((), acc_ty) + scale_head) + scale_tail)  # float64-exact in float64 (_common.float_pair)
 
         # Replay payload rows (k normalised): each element has exactly one writer program.
         row = payload_ptr + b * s_yb + rows * s_yn

@@ -66,7 +66,9 @@ from typing import Optional
 
 import torch
 
-from ._common import HAS_TRITON, check_dim, check_dtype, check_num_nodes, check_same_device, use_triton
+from ._common import (
+    HAS_TRITON, check_dim, check_dtype, check_num_nodes, check_same_device, float_pair, use_triton,
+)  # fmt: skip
 
 if HAS_TRITON:
     import triton
@@ -352,7 +354,7 @@ def _launch_gdn_tree_verify(
     payload_strides = (0, 0, 0) if staged else payload.stride()
     _gdn_tree_verify_kernel[(batch, num_v_heads, triton.cdiv(head_v_dim, block_v))](
         q, k, v, g, beta, state, parents, workspace, workspace if staged else payload, o,
-        num_nodes, float(head_k_dim**-0.5 if scale is None else scale),
+        num_nodes, *float_pair(float(head_k_dim**-0.5 if scale is None else scale)),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), *parents.stride(), *workspace.stride(), *payload_strides, *o.stride(),
         GROUP=num_v_heads // num_k_heads, DK=head_k_dim, DV=head_v_dim,
@@ -386,7 +388,7 @@ if HAS_TRITON:
     @triton.jit
     def _gdn_tree_verify_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, parents_ptr, ws_ptr, payload_ptr, o_ptr,
-        num_nodes, scale,
+        num_nodes, scale_head, scale_tail,
         s_qb, s_qn, s_qh, s_qd,
         s_kb, s_kn, s_kh, s_kd,
         s_vb, s_vn, s_vh, s_vd,
@@ -417,6 +419,7 @@ if HAS_TRITON:
         vm = vv < DV
         sm = km[:, None] & vm[None, :]
         acc_ty = state_ptr.dtype.element_ty
+        scale = (tl.zeros((), acc_ty) + scale_head) + scale_tail  # float64-exact in float64 (_common.float_pair)
         nn = tl.arange(0, BLOCK_N)
         all_parents = tl.load(parents_ptr + b * s_pb + nn * s_pn, mask=nn < num_nodes, other=-1)
         state_tile = state_ptr + b * s_sb + hv * s_sh + kk[:, None] * s_sk + vv[None, :] * s_sv

@@ -141,11 +141,10 @@ def _launch_mamba2_tree_verify_chunked(
     if block_p is None:
         block_p = min(max(16, triton.next_power_of_2(head_dim)), 32)
     dt_off, a_off, b_off = _payload_offsets(num_heads, head_dim)
-    lo, hi = _limits(dt_min, dt_max)
     has_d, has_bias = D is not None, dt_bias is not None
     _mamba2_tree_verify_chunked_kernel[(batch, num_heads, triton.cdiv(head_dim, block_p))](
         x, dt, A, B, C, D if has_d else A, dt_bias if has_bias else A, state, parents, payload, y,
-        num_nodes, lo, hi,
+        num_nodes, *_limits(dt_min, dt_max),
         *x.stride(), *dt.stride(), A.stride(0), *B.stride(), *C.stride(),
         D.stride(0) if has_d else 0, dt_bias.stride(0) if has_bias else 0,
         *state.stride(), *parents.stride(), *payload.stride(), *y.stride(),
@@ -162,7 +161,7 @@ if HAS_TRITON:
     @triton.jit
     def _mamba2_tree_verify_chunked_kernel(
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, state_ptr, parents_ptr, payload_ptr, y_ptr,
-        num_nodes, dt_lo, dt_hi,
+        num_nodes, dt_lo_head, dt_lo_tail, dt_hi_head, dt_hi_tail,
         s_xb, s_xn, s_xh, s_xp,
         s_db, s_dn, s_dh,
         s_ah,
@@ -195,6 +194,8 @@ if HAS_TRITON:
         acc_ty = state_ptr.dtype.element_ty
 
         # Per-node dt and log decay a = dt * A; padded nodes get dt = 0 (they add nothing).
+        dt_lo = (tl.zeros((), acc_ty) + dt_lo_head) + dt_lo_tail  # float64-exact in float64 (_common.float_pair)
+        dt_hi = (tl.zeros((), acc_ty) + dt_hi_head) + dt_hi_tail
         A_h = tl.load(A_ptr + h * s_ah).to(acc_ty)
         dt_n = tl.load(dt_ptr + b * s_db + nn * s_dn + h * s_dh, mask=live, other=0.0).to(acc_ty)
         if HAS_DT_BIAS:

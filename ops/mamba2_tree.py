@@ -77,7 +77,9 @@ from typing import Optional
 
 import torch
 
-from ._common import HAS_TRITON, check_dim, check_dtype, check_num_nodes, check_same_device, use_triton
+from ._common import (
+    HAS_TRITON, check_dim, check_dtype, check_num_nodes, check_same_device, float_pair, use_triton,
+)  # fmt: skip
 
 if HAS_TRITON:
     import triton
@@ -408,8 +410,11 @@ def _state_blocks(head_dim: int, state_size: int) -> tuple[int, int]:
     return block_p, block_s
 
 
-def _limits(dt_min: Optional[float], dt_max: Optional[float]) -> tuple[float, float]:
-    return (-math.inf if dt_min is None else float(dt_min)), (math.inf if dt_max is None else float(dt_max))
+def _limits(dt_min: Optional[float], dt_max: Optional[float]) -> tuple[float, float, float, float]:
+    """The dt clamp's limits as kernel arguments: ``float_pair`` of each (-inf / inf where absent)."""
+    lo = -math.inf if dt_min is None else float(dt_min)
+    hi = math.inf if dt_max is None else float(dt_max)
+    return (*float_pair(lo), *float_pair(hi))
 
 
 def _launch_mamba2_tree_verify(
@@ -426,11 +431,10 @@ def _launch_mamba2_tree_verify(
     block_p, block_s = _state_blocks(head_dim, state_size)
     dt_off, a_off, b_off = _payload_offsets(num_heads, head_dim)
     buf_strides = buf.stride() if staged else (*buf.stride(), 0, 0)
-    lo, hi = _limits(dt_min, dt_max)
     has_d, has_bias = D is not None, dt_bias is not None
     _mamba2_tree_verify_kernel[(batch, num_heads, triton.cdiv(head_dim, block_p))](
         x, dt, A, B, C, D if has_d else A, dt_bias if has_bias else A, state, parents, buf, y,
-        num_nodes, lo, hi,
+        num_nodes, *_limits(dt_min, dt_max),
         *x.stride(), *dt.stride(), A.stride(0), *B.stride(), *C.stride(),
         D.stride(0) if has_d else 0, dt_bias.stride(0) if has_bias else 0,
         *state.stride(), *parents.stride(), *buf_strides, *y.stride(),
@@ -507,7 +511,7 @@ if HAS_TRITON:
     @triton.jit
     def _mamba2_tree_verify_kernel(
         x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, state_ptr, parents_ptr, buf_ptr, y_ptr,
-        num_nodes, dt_lo, dt_hi,
+        num_nodes, dt_lo_head, dt_lo_tail, dt_hi_head, dt_hi_tail,
         s_xb, s_xn, s_xh, s_xp,
         s_db, s_dn, s_dh,
         s_ah,
@@ -539,6 +543,8 @@ if HAS_TRITON:
         sm = ss < SN
         tm = pm[:, None] & sm[None, :]
         acc_ty = state_ptr.dtype.element_ty
+        dt_lo = (tl.zeros((), acc_ty) + dt_lo_head) + dt_lo_tail  # float64-exact in float64 (_common.float_pair)
+        dt_hi = (tl.zeros((), acc_ty) + dt_hi_head) + dt_hi_tail
         A_h = tl.load(A_ptr + h * s_ah).to(acc_ty)
         bias_h = tl.zeros((), dtype=acc_ty)
         if HAS_DT_BIAS:
