@@ -5,7 +5,8 @@ CUDA, so this reaches the launchers, which the tests and benchmarks call in floa
 GDN and Mamba2 verify kernels now take ``_common.float_pair(x)``, two float32 values they add in their accumulator
 type. Here the interpreter is made to round every float argument to float32 first, as a compiled launch does, so
 the CPU suite sees what the GPU would: the float64 kernels meet their float64 oracles, and without the pair they
-would not (the controls)."""
+would not (the controls). The launches are on ``kernel_device``: on a GPU the rounding is what the compiled launch
+does anyway, so the same checks hold there."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from test_gdn_tree import run_verify as gdn_run
 from test_mamba2_tree import check_against_oracle as m2_check
 from test_mamba2_tree import make_inputs as m2_inputs
 from test_mamba2_tree import run_verify as m2_run
+from test_mamba2_tree import to_device
 from treecompile.ops._common import float_pair
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -74,13 +76,14 @@ class Float32Scalars:
         return call
 
 
-def _gdn_verify_misses(monkeypatch, pair) -> float:
+def _gdn_verify_misses(monkeypatch, pair, d) -> float:
     monkeypatch.setattr(gdn, "float_pair", pair)
     kernel = Float32Scalars(gdn._gdn_tree_verify_kernel)
     monkeypatch.setattr(gdn, "_gdn_tree_verify_kernel", kernel)
     parents = parents_tensor([("two_branches", 7), ("random", 7)], seed=6)
     q, k, v, g, beta, state = gdn_inputs(2, 7, hk=1, hv=2, dk=8, dv=16, seed=6)  # scale 8 ** -0.5
-    o, ws, payload = gdn_run(gdn._launch_gdn_tree_verify, q, k, v, g, beta, state, parents)
+    on_d = (t.to(d) for t in (q, k, v, g, beta, state, parents))
+    o, ws, payload = (t.cpu() for t in gdn_run(gdn._launch_gdn_tree_verify, *on_d))
     assert kernel.floats  # the launch went through the float32 rounding
     try:
         gdn_check(q, k, v, g, beta, state, parents, o, ws, payload, 1e-12)
@@ -90,24 +93,24 @@ def _gdn_verify_misses(monkeypatch, pair) -> float:
         return (o - want).abs().max().item()
 
 
-def test_gdn_verify_float64_meets_its_oracle_with_float32_scalars(monkeypatch):
-    assert _gdn_verify_misses(monkeypatch, float_pair) == 0.0
+def test_gdn_verify_float64_meets_its_oracle_with_float32_scalars(monkeypatch, kernel_device):
+    assert _gdn_verify_misses(monkeypatch, float_pair, kernel_device) == 0.0
 
 
-def test_gdn_verify_float64_would_miss_its_oracle_without_the_pair(monkeypatch):
+def test_gdn_verify_float64_would_miss_its_oracle_without_the_pair(monkeypatch, kernel_device):
     """The control: a scale passed alone is float32(8 ** -0.5), 2e-8 relative off, far past 1e-12."""
-    assert _gdn_verify_misses(monkeypatch, lambda x: (x, 0.0)) > 1e-10
+    assert _gdn_verify_misses(monkeypatch, lambda x: (x, 0.0), kernel_device) > 1e-10
 
 
 @pytest.mark.parametrize("pair", ["float_pair", "alone"])
-def test_gdn_chunked_float64_with_float32_scalars(monkeypatch, pair):
+def test_gdn_chunked_float64_with_float32_scalars(monkeypatch, pair, kernel_device):
     if pair == "alone":
         monkeypatch.setattr(chunked, "float_pair", lambda x: (x, 0.0))
     kernel = Float32Scalars(chunked._gdn_tree_verify_chunked_kernel)
     monkeypatch.setattr(chunked, "_gdn_tree_verify_chunked_kernel", kernel)
     parents = parents_tensor([("random", 9), ("chain", 9)], seed=8)
     inputs = gdn_inputs(2, 9, hk=1, hv=2, dk=8, dv=16, seed=8)
-    o, payload = run_chunked("kernel", *inputs, parents)
+    o, payload = run_chunked("kernel", *(t.to(kernel_device) for t in (*inputs, parents)))  # CPU copies back
     want_o, want_payload = sequential(*inputs, parents)
     torch.testing.assert_close(payload[:, :9], want_payload, atol=1e-11, rtol=1e-11)
     err = (o - want_o).abs().max().item()
@@ -116,7 +119,7 @@ def test_gdn_chunked_float64_with_float32_scalars(monkeypatch, pair):
 
 @pytest.mark.parametrize("chunk", [False, True], ids=["sequential", "chunked"])
 @pytest.mark.parametrize("pair", ["float_pair", "alone"])
-def test_mamba2_dt_limits_float64_with_float32_scalars(monkeypatch, chunk, pair):
+def test_mamba2_dt_limits_float64_with_float32_scalars(monkeypatch, chunk, pair, kernel_device):
     """dt limits 0.6 and 1.3 (not float32 values) that bind: the clamped dt is the float64 limit."""
     module, name = (m2c, "_mamba2_tree_verify_chunked_kernel") if chunk else (m2, "_mamba2_tree_verify_kernel")
     if pair == "alone":
@@ -125,12 +128,14 @@ def test_mamba2_dt_limits_float64_with_float32_scalars(monkeypatch, chunk, pair)
     parents = parents_tensor([("random", 9)], seed=3)
     inputs = m2_inputs(1, 9, h=2, g=1, p=8, s=16, seed=4)
     kw = dict(dt_min=0.6, dt_max=1.3)
+    d = kernel_device
     if chunk:
-        y = torch.full(tuple(inputs[0].shape), float("nan"), dtype=torch.float64)
-        buf = torch.full((1, 9, m2.mamba2_payload_width(2, 8, 1, 16)), float("nan"), dtype=torch.float64)
-        m2c._launch_mamba2_tree_verify_chunked(*inputs, parents, buf, y, True, 0.6, 1.3)
+        y = torch.full(tuple(inputs[0].shape), float("nan"), dtype=torch.float64, device=d)
+        buf = torch.full((1, 9, m2.mamba2_payload_width(2, 8, 1, 16)), float("nan"), dtype=torch.float64, device=d)
+        m2c._launch_mamba2_tree_verify_chunked(*to_device(d, *inputs, parents), buf, y, True, 0.6, 1.3)
     else:
-        y, buf = m2_run("kernel", *inputs, parents, **kw)
+        y, buf = m2_run("kernel", *to_device(d, *inputs, parents), **kw)
+    y, buf = y.cpu(), buf.cpu()
     dt = inputs[1] + inputs[6]
     dtp = torch.nn.functional.softplus(dt)
     assert (dtp < 0.6).any() and (dtp > 1.3).any()  # both limits bind
