@@ -27,26 +27,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-def interpreter_env() -> dict:
-    """The environment of a child process that runs Triton in the CPU interpreter: no GPU visible."""
-    return {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     """A test marked ``interpreter`` launches Triton kernels on CPU tensors, so it needs the interpreter, which
     Triton chooses once per process: where CUDA is present (this process compiles for the device) the test runs
     in a child pytest with no GPU visible instead, and fails with the child's output if the child fails.
     Without CUDA it runs here as any other test. Its fixtures are still set up here (cheap ones only)."""
-    if "interpreter" not in pyfuncitem.keywords or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if "interpreter" not in pyfuncitem.keywords:
         return None
     import subprocess
     import sys
 
-    root = pyfuncitem.config.rootpath
+    from treecompile.ops._common import triton_interpret
+
+    if triton_interpret():
+        return None
+
     child = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", pyfuncitem.nodeid],
-        cwd=root, env=interpreter_env(), capture_output=True, text=True,
+        cwd=pyfuncitem.config.rootpath, capture_output=True, text=True,
+        env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip
     if child.returncode != 0 or " passed" not in child.stdout:
         pytest.fail(f"under the interpreter (child pytest, rc {child.returncode}):\n{child.stdout[-6000:]}\n"

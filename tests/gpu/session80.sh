@@ -8,7 +8,14 @@
 #     PART=2  -m gpu, every other file (ops ~220 s, models and the rest of runtime ~110 s)
 #     PART=3  -m "not gpu" tests/ops (the kernel tests, on CUDA)
 #     PART=4  -m "not gpu", everything but tests/ops
-#   T_TESTS  the part's limit (default 540 s); what a part did not reach shows in its log's last lines.
+#   Fifty-ninth session, after PART=3 and 4 failed 289 tests on an H100 (fixed on the CPU side since):
+#     PART=5  those 289 (notes/gpu-2026-12-07-s59/fails.txt: kernel tests now on kernel_device, `interpreter`
+#             tests now in a child process, the e2e / rounds harness now --device cpu), then
+#             tests/ops/test_float_pair.py (float64 launches with float scalars)
+#     PART=6  the `-m "not gpu"` files PART=3 and 4 did not reach
+#     PART=7  the e2e and rounds smoke runs on CUDA (their default there; why they failed is not known): their output
+#   T_TESTS  the part's limit (default 540 s; 240 s a smoke run in PART=7). pytest gets SIGINT there, so it still
+#   prints its summary; tracebacks are kept (--tb=short).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site TREECOMPILE_CACHE=/tmp/tc_cache TORCHINDUCTOR_CACHE_DIR=/tmp/ic
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,10 +28,18 @@ case ${PART:-1} in
   2) args=(-m gpu --ignore=tests/runtime/test_speculator_gpu.py tests);;
   3) args=(-m "not gpu" tests/ops);;
   4) args=(-m "not gpu" --ignore=tests/ops tests);;
+  5) mapfile -t args < <(grep . notes/gpu-2026-12-07-s59/fails.txt); args+=(tests/ops/test_float_pair.py);;
+  6) args=(-m "not gpu" tests/ops/test_tree_attention_write.py tests/ops/test_tree_mask.py tests/ops/test_verify.py
+           tests/ops/test_vocab_argmax.py tests/runtime/test_speculator.py tests/runtime/test_train_drafter.py
+           tests/runtime/test_tree_spec.py);;
+  7) for b in rounds e2e; do
+       timeout -s INT "${T_TESTS:-240}" python3 -m treecompile.bench $b --smoke --json "$OUT/smoke_$b.json" \
+         > "$OUT/smoke_$b.log" 2>&1; echo "$b smoke rc=$?"; tail -5 "$OUT/smoke_$b.log"
+     done; exit 0;;
   *) echo "unknown PART ${PART}"; exit 2;;
 esac
-echo "part ${PART:-1}: pytest ${args[*]}"
-timeout "${T_TESTS:-540}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=15 "${args[@]}" \
+echo "part ${PART:-1}: pytest with ${#args[@]} arguments"
+timeout -s INT "${T_TESTS:-540}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=15 "${args[@]}" \
   > "$OUT/tests_part${PART:-1}.log" 2>&1
 echo "pytest rc=$?"
 grep -E "passed|failed|error" "$OUT/tests_part${PART:-1}.log" | tail -3
