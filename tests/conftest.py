@@ -13,6 +13,34 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_index_squeezes() -> None:
+    """Triton <= 3.6's interpreter turns a one-element block (a loaded scalar used as a ``range`` bound, say) into
+    a Python int with ``int(ndarray)``, which numpy >= 2.4 refuses for ndim > 0: every kernel with such a loop
+    fails there (the GPU machine's triton 3.6 + numpy 2.5, in the ``interpreter`` tests' child). Upstream fixed it
+    by squeezing first (triton-lang/triton#9171); where the installed interpreter lacks that fix, do the same."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    try:
+        unfixed = original is not None and "int(self.handle.data))" in inspect.getsource(original)
+    except (OSError, TypeError):
+        unfixed = False
+    if not unfixed:
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    _interpreter_index_squeezes()
+
 import pytest  # noqa: E402
 
 import treecompile  # noqa: E402,F401  registers torch.ops.treespec.*
