@@ -82,7 +82,8 @@ def test_a_failing_variant_is_reported_and_the_run_goes_on(capsys):
 
     assert bench._attempt([bad], boom) is False
     assert bench._attempt([good], lambda: bench._timed(good, bench.clock.capture(lambda: torch.ones(4).sum())))
-    assert bad.ms is None and bad.note == "fail: RuntimeError: operation not permitted when stream is capturing"
+    assert bad.ms is None
+    assert bad.note == "fail: RuntimeError: operation not permitted when stream is capturing; second line"
     assert good.ms is not None and good.note == ""
     out = capsys.readouterr().out
     assert "[rounds] treecompile verify N=64 (K=4, S=5): fail: RuntimeError: operation not permitted" in out
@@ -96,8 +97,8 @@ def test_a_failing_variant_is_reported_and_the_run_goes_on(capsys):
     }  # fmt: skip
     report = rounds.format_report(result)
     assert "| treecompile verify N=64 (K=4, S=5) | 64 | fail | " in report
-    assert "fail: RuntimeError: operation not permitted when stream is capturing |" in report
     assert "- verify(64) <= 1.15x decode(1): -x -> n/a (a variant failed)" in report
+    assert "capturing; second line |" in report  # the whole note in its cell: no "|" of its own
     assert "- decode(1) <= 1.25x target weight-read floor: 1.00x -> met" in report
     assert "- draft round <= 1.3x its weight-read floor: 2.00x -> NOT met" in report
 
@@ -260,3 +261,23 @@ def test_paired_sweep_checks_each_config_and_sorts(monkeypatch, capsys):
     assert [r["us"] for r in rows] == sorted(r["us"] for r in rows) and len(rows) == len(ran)
     assert set(rows[0]) == {"us", "block_n", "block_k", "warps", "stages"}
     assert "wrong: max err nan" in capsys.readouterr().out
+
+
+def test_failure_reason_keeps_every_line_and_caps_the_length():
+    from treecompile.bench import failure_reason
+    from treecompile.drafter import EagleDrafter
+    from treecompile.registry import resolve_tree_support
+
+    model = rounds.build_target(dict(rounds.TARGET_SMOKE, head_dim=16), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError) as refused:
+        resolve_tree_support(model, device=torch.device("cuda"), dtype=torch.bfloat16, max_seq_len=128)
+    reason = failure_reason(refused.value)
+    assert reason.startswith("ValueError: tree speculation is not supported here (2 blockers):; target layer 0 (")
+    assert "head_dim 16 has no CUDA kernel" in reason and "target layer 1 (" in reason and "\n" not in reason
+    capped = failure_reason(RuntimeError("x" * 1000), limit=50)
+    assert len(capped) == 50 and capped.endswith("...")
+    # The smoke model itself has a CUDA kernel for every layer, target and draft (asked without a GPU).
+    model = rounds.build_target(dict(rounds.TARGET_SMOKE), torch.device("cpu"), torch.float32)
+    drafter = EagleDrafter.for_target(model, seed=0).eval()
+    for dtype in (torch.float32, torch.bfloat16):
+        resolve_tree_support(model, drafter, device=torch.device("cuda"), dtype=dtype, max_seq_len=128)

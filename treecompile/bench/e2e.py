@@ -64,6 +64,7 @@ from typing import Callable
 
 import torch
 
+from treecompile.bench import failure_reason
 from treecompile.demo import (
     DTYPES,
     PAGE_SIZE,
@@ -98,11 +99,6 @@ SMOKE_VOCAB = 16
 def _say(message: str) -> None:
     """Progress for the person watching a long GPU run (flushed: a timeout still leaves the lines)."""
     print(f"[e2e] {message}", flush=True)
-
-
-def _reason(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}".rstrip(": ")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -416,7 +412,7 @@ class E2EBench:
             with torch.no_grad():
                 self._measure(config, b, row, twin)
         except Exception as exc:  # noqa: BLE001 - report the configuration and go on
-            row.error = _reason(exc)
+            row.error = failure_reason(exc)
             if twin is not None:
                 twin.error = row.error
             logger.debug("%s", traceback.format_exc())
@@ -522,7 +518,7 @@ class E2EBench:
             if self.setup.device.type == "cuda":
                 torch.cuda.empty_cache()
         except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: the next configurations will report it
-            logger.warning("device did not recover: %s", _reason(exc))
+            logger.warning("device did not recover: %s", failure_reason(exc))
 
     def _derive(self) -> None:
         """Speedups and matches of every row from what has been measured so far."""

@@ -63,7 +63,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from treecompile.bench.rounds import Clock, _reason, attempt, measure_copy_bandwidth
+from treecompile.bench import failure_reason
+from treecompile.bench.rounds import Clock, attempt, measure_copy_bandwidth
 
 logger = logging.getLogger(__name__)
 
@@ -145,9 +146,9 @@ def import_optional_ops() -> dict[str, str]:
             importlib.import_module(module)
         except ModuleNotFoundError as exc:
             if exc.name != module:
-                broken[op] = f"import {module}: {_reason(exc)}"
+                broken[op] = f"import {module}: {failure_reason(exc)}"
         except Exception as exc:  # noqa: BLE001 - reported on the rows of its op
-            broken[op] = f"import {module}: {_reason(exc)}"
+            broken[op] = f"import {module}: {failure_reason(exc)}"
     return broken
 
 

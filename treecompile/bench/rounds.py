@@ -52,6 +52,8 @@ from typing import Callable
 
 import torch
 
+from treecompile.bench import failure_reason
+
 logger = logging.getLogger(__name__)
 
 TARGET_8B = dict(
@@ -61,9 +63,9 @@ TARGET_8B = dict(
 )  # fmt: skip
 TARGET_SMOKE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-)  # fmt: skip
+)  # fmt: skip  head_dim 64: the smallest with a CUDA tree-attention kernel (16 refused every CUDA smoke variant)
 PREFILL_CHUNK = 64  # every speculator prefills through the T=64 graph, traced once (the verify(64) graph)
 INIT_STD = 0.02
 
@@ -99,11 +101,6 @@ def _say(message: str) -> None:
     print(f"[rounds] {message}", flush=True)
 
 
-def _reason(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0][:160] if lines else ''}".rstrip(": ")
-
-
 def attempt(rows, what: Callable[[], None], clock, untimed: Callable, say: Callable) -> bool:
     """Run one variant's ``what`` (no grad) for a benchmark that goes on past failures: on an exception,
     every row of ``rows`` still ``untimed(row)`` gets the note ``fail: <reason>`` and ``say(row, message)``
@@ -114,7 +111,7 @@ def attempt(rows, what: Callable[[], None], clock, untimed: Callable, say: Calla
             what()
         return True
     except Exception as exc:  # noqa: BLE001 - report the variant and go on
-        reason = _reason(exc)
+        reason = failure_reason(exc)
         logger.debug("%s", traceback.format_exc())
         for row in rows:
             if untimed(row):
@@ -212,7 +209,7 @@ class Clock:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: the next variants will report it
-            logger.warning("device did not recover: %s", _reason(exc))
+            logger.warning("device did not recover: %s", failure_reason(exc))
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int, reps: int = 20) -> float:
@@ -361,7 +358,7 @@ class RoundsBench:
                 prof.export_chrome_trace(os.path.join(self.setup.profile_dir, f"{name}.trace.json"))
             _say(f"{row.label}: profile written to {path}")
         except Exception as exc:  # noqa: BLE001 - a profile is a diagnostic, never a reason to fail the run
-            _say(f"{row.label}: profile failed: {_reason(exc)}")
+            _say(f"{row.label}: profile failed: {failure_reason(exc)}")
 
     # -- setup ----------------------------------------------------------------------------------------------
 
