@@ -18,6 +18,7 @@
 #     PART=8  the fixes: the `interpreter` tests (triton 3.6's interpreter under numpy 2.5, shimmed in conftest),
 #             the dummy-slot race in test_tree_attention_write, the bench tests; then both smoke runs on CUDA
 #             (their smoke model's head_dim was 16, which has no CUDA kernel: every treecompile variant failed)
+#   SMOKES   which smoke runs PART=7 (and 8) runs (default "rounds e2e")
 #   T_TESTS  the part's limit (default 540 s; 240 s a smoke run in PART=7). pytest gets SIGINT there, so it still
 #   prints its summary; tracebacks are kept (--tb=short).
 set -u
@@ -37,14 +38,15 @@ case ${PART:-1} in
            tests/ops/test_vocab_argmax.py tests/runtime/test_speculator.py tests/runtime/test_train_drafter.py
            tests/runtime/test_tree_spec.py);;
   8) timeout -s INT "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
-       tests/ops/test_interpreter_index.py tests/ops/test_tree_attention_write.py tests/ops/test_fused_mlp.py::test_gpu_sweep_script_smoke \
+       tests/ops/test_interpreter_index.py tests/ops/test_tree_attention_write.py::test_fused_write_equals_kv_write_then_attention \
+       tests/ops/test_fused_mlp.py::test_gpu_sweep_script_smoke \
        tests/ops/test_skinny_linear.py::test_sweep_mode_smoke tests/runtime/test_kernels_in_context.py \
        tests/passes/test_fuse_cache_write.py::test_batched_decode_through_the_fused_kernel_equals_hf_greedy \
-       tests/runtime/test_bench_rounds.py > "$OUT/tests_part8.log" 2>&1
+       > "$OUT/tests_part8.log" 2>&1
      echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/tests_part8.log" | tail -2
      grep -E "^(FAILED|ERROR)" "$OUT/tests_part8.log" | head -20
      PART=7 T_TESTS=${T_SMOKE:-150} exec bash "$0";;
-  7) for b in rounds e2e; do
+  7) for b in ${SMOKES:-rounds e2e}; do
        timeout -s INT "${T_TESTS:-240}" python3 -m treecompile.bench $b --smoke --json "$OUT/smoke_$b.json" \
          > "$OUT/smoke_$b.log" 2>&1; echo "$b smoke rc=$?"; tail -5 "$OUT/smoke_$b.log"
      done; exit 0;;
