@@ -61,11 +61,12 @@ TARGET_8B = dict(
     num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5,
     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False,
 )  # fmt: skip
+# head_dim 64: the smallest with a CUDA tree-attention kernel (16 had every CUDA smoke variant refused).
 TARGET_SMOKE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-)  # fmt: skip  head_dim 64: the smallest with a CUDA tree-attention kernel (16 refused every CUDA smoke variant)
+)  # fmt: skip
 PREFILL_CHUNK = 64  # every speculator prefills through the T=64 graph, traced once (the verify(64) graph)
 INIT_STD = 0.02
 
