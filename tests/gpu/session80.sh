@@ -19,6 +19,7 @@
 #             the dummy-slot race in test_tree_attention_write, the bench tests; then both smoke runs on CUDA
 #             (their smoke model's head_dim was 16, which has no CUDA kernel: every treecompile variant failed)
 #   SMOKES   which smoke runs PART=7 (and 8) runs (default "rounds e2e")
+#   T_SMOKE  PART=8: the limit of each smoke run after its tests (default 150 s; its tests default to 300 s)
 #   T_TESTS  the part's limit (default 540 s; 240 s a smoke run in PART=7). pytest gets SIGINT there, so it still
 #   prints its summary; tracebacks are kept (--tb=short).
 set -u
