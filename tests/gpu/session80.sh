@@ -18,6 +18,9 @@
 #     PART=8  the fixes: the `interpreter` tests (triton 3.6's interpreter under numpy 2.5, shimmed in conftest),
 #             the dummy-slot race in test_tree_attention_write, the bench tests; then both smoke runs on CUDA
 #             (their smoke model's head_dim was 16, which has no CUDA kernel: every treecompile variant failed)
+#   Sixty-second session, PART=8 on a fast H100: 12 passed before its 300 s limit, both smokes rc 0 on CUDA
+#   (notes/gpu-2026-12-07-s62.md). PART=8 did not reach four compile-heavy tests:
+#     PART=9  those four (test_kernels_in_context qwen3_5 and mamba2, test_fuse_cache_write batched decode plain/tree)
 #   SMOKES   which smoke runs PART=7 (and 8) runs (default "rounds e2e")
 #   T_SMOKE  PART=8: the limit of each smoke run after its tests (default 150 s; its tests default to 300 s)
 #   T_TESTS  the part's limit (default 540 s; 240 s a smoke run in PART=7). pytest gets SIGINT there, so it still
@@ -47,6 +50,9 @@ case ${PART:-1} in
      echo "pytest rc=$?"; grep -E "passed|failed|error" "$OUT/tests_part8.log" | tail -2
      grep -E "^(FAILED|ERROR)" "$OUT/tests_part8.log" | head -20
      PART=7 T_TESTS=${T_SMOKE:-150} exec bash "$0";;
+  9) args=("tests/runtime/test_kernels_in_context.py::test_generate_on_kernels_equals_hf_greedy[qwen3_5-8-2-10]"
+           "tests/runtime/test_kernels_in_context.py::test_generate_on_kernels_equals_hf_greedy[mamba2-8-2-6]"
+           tests/passes/test_fuse_cache_write.py::test_batched_decode_through_the_fused_kernel_equals_hf_greedy);;
   7) for b in ${SMOKES:-rounds e2e}; do
        timeout -s INT "${T_TESTS:-240}" python3 -m treecompile.bench $b --smoke --json "$OUT/smoke_$b.json" \
          > "$OUT/smoke_$b.log" 2>&1; echo "$b smoke rc=$?"; tail -5 "$OUT/smoke_$b.log"
