@@ -21,6 +21,7 @@
 #   Sixty-second session, PART=8 on a fast H100: 12 passed before its 300 s limit, both smokes rc 0 on CUDA
 #   (notes/gpu-2026-12-07-s62.md). PART=8 did not reach four compile-heavy tests:
 #     PART=9  those four (test_kernels_in_context qwen3_5 and mamba2, test_fuse_cache_write batched decode plain/tree)
+#             (4 passed on an H100 in the same session: every test of PART=8's list now passes on a GPU)
 #   SMOKES   which smoke runs PART=7 (and 8) runs (default "rounds e2e")
 #   T_SMOKE  PART=8: the limit of each smoke run after its tests (default 150 s; its tests default to 300 s)
 #   T_TESTS  the part's limit (default 540 s; 240 s a smoke run in PART=7). pytest gets SIGINT there, so it still
