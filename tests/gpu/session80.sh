@@ -24,6 +24,9 @@
 #             (4 passed on an H100 in the same session: every test of PART=8's list now passes on a GPU)
 #   Sixty-third session, PART=1 on a fast H100 for 540 s: 23 of its 26 tests passed before the limit.
 #     PART=10 the three it did not reach (never-recompile across requests and batch sizes, fused MLP x2)
+#   Sixty-fourth session: PART=3 and 4 each need more than one call's limit, and each pytest run starts from its
+#   first file. Run in reverse file order, a cut run covers the files the forward run did not reach:
+#     PART=11 PART=3's files in reverse order      PART=12 PART=4's files in reverse order
 #   SMOKES   which smoke runs PART=7 (and 8) runs (default "rounds e2e")
 #   T_SMOKE  PART=8: the limit of each smoke run after its tests (default 150 s; its tests default to 300 s)
 #   T_TESTS  the part's limit (default 540 s; 240 s a smoke run in PART=7). pytest gets SIGINT there, so it still
@@ -58,6 +61,9 @@ case ${PART:-1} in
            tests/passes/test_fuse_cache_write.py::test_batched_decode_through_the_fused_kernel_equals_hf_greedy);;
   10) args=(tests/runtime/test_speculator_gpu.py::test_cuda_rounds_never_recompile_across_requests_and_batch_sizes
             tests/runtime/test_speculator_gpu.py::test_fused_mlp_on_cuda_runs_the_op_and_agrees);;
+  11) mapfile -t args < <(ls tests/ops/test_*.py | sort -r); args=(-m "not gpu" "${args[@]}");;
+  12) mapfile -t args < <(find tests -name 'test_*.py' -not -path 'tests/ops/*' | sort -r)
+      args=(-m "not gpu" "${args[@]}");;
   7) for b in ${SMOKES:-rounds e2e}; do
        timeout -s INT "${T_TESTS:-240}" python3 -m treecompile.bench $b --smoke --json "$OUT/smoke_$b.json" \
          > "$OUT/smoke_$b.log" 2>&1; echo "$b smoke rc=$?"; tail -5 "$OUT/smoke_$b.log"
